@@ -1,0 +1,242 @@
+"""The params.yaml schema: the single source of truth for every knob.
+
+Every stage loads and validates the whole file once at start (`load_params`); a user mistake becomes one
+line naming the key path and the problem (`ParamsError`), which `stages/*` turn into exit code 2 before
+any heavy work. Modules receive the typed objects below and never read params.yaml themselves.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from coarse2fine.errors import UserError
+
+VOLO_MODEL_NAMES = tuple(
+    f"volo_{variant}_{size}"
+    for variant, sizes in {
+        "d1": (224, 384),
+        "d2": (224, 384),
+        "d3": (224, 448),
+        "d4": (224, 448),
+        "d5": (224, 448, 512),
+    }.items()
+    for size in sizes
+)
+CUSTOM_MODEL = "volo_custom"
+
+
+class ParamsError(UserError):
+    """A bad params.yaml; the message is one line per problem, each naming the key path."""
+
+
+class Section(BaseModel):
+    # Unknown keys are errors (a typo must not silently fall back to a default); no type coercion
+    # beyond int->float, so `lr: "1e-3"` is reported rather than guessed.
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class Launch(Section):
+    nproc_per_node: int = Field(1, gt=0)
+
+
+class DigitsSource(Section):
+    size: int = Field(32, ge=8)  # side of the written images (load_digits is 8x8, upsampled bicubic)
+    val_fraction: float = Field(0.2, gt=0, lt=1)
+
+
+class Data(Section):
+    source: Literal["digits", "imagefolder"] = "digits"
+    root: str = ""  # imagefolder: a tree with train/<class>/* and val/<class>/*
+    digits: DigitsSource = DigitsSource()
+    subset: float = Field(1.0, gt=0, le=1)  # fraction kept per class (stratified, seeded)
+    train_shards: int = Field(2, gt=0)
+    val_shards: int = Field(1, gt=0)
+    jpeg_quality: int = Field(95, ge=1, le=100)  # for images that must be re-encoded (PNG, CMYK, ...)
+    convert_workers: int = Field(2, gt=0)  # processes per rank for decoding checks / re-encoding
+
+    @model_validator(mode="after")
+    def _root_for_imagefolder(self) -> Data:
+        if self.source == "imagefolder" and not self.root:
+            raise ValueError("root: required when source is 'imagefolder' (path with train/ and val/)")
+        return self
+
+
+class Loader(Section):
+    backend: Literal["auto", "dali", "torch"] = "auto"  # auto: DALI if importable, else torch
+    workers: int = Field(2, ge=0)  # DALI threads / torch DataLoader workers per rank
+    prefetch: int = Field(2, gt=0)
+
+
+class Augment(Section):
+    scale: tuple[float, float] = (0.35, 1.0)  # random-resized-crop area fraction
+    ratio: tuple[float, float] = (0.75, 4 / 3)  # random-resized-crop aspect ratio
+    hflip: float = Field(0.0, ge=0, le=1)  # digits are not flip-invariant; ImageNet uses 0.5
+    rand_augment: str = ""  # timm-style spec, e.g. "rand-m9-mstd0.5-inc1"; "" turns it off
+    reprob: float = Field(0.0, ge=0, le=1)  # random erasing probability (pixel mode)
+    interpolation: Literal["bilinear", "bicubic"] = "bicubic"
+
+    @model_validator(mode="after")
+    def _ranges(self) -> Augment:
+        for name in ("scale", "ratio"):
+            low, high = getattr(self, name)
+            if not 0 < low <= high:
+                raise ValueError(f"{name}: must be 0 < low <= high (got [{low}, {high}])")
+        if self.scale[1] > 1:
+            raise ValueError(f"scale: upper bound must be <= 1 (got {self.scale[1]})")
+        if self.rand_augment and not self.rand_augment.startswith("rand-"):
+            raise ValueError(f"rand_augment: expected a spec like 'rand-m9-mstd0.5-inc1' (got {self.rand_augment!r})")
+        return self
+
+
+class Model(Section):
+    name: str = CUSTOM_MODEL  # a timm VOLO name (volo_d1_224 ... volo_d5_512) or volo_custom
+    # volo_custom only:
+    layers: tuple[int, ...] = (1, 1, 1, 1)
+    embed_dims: tuple[int, ...] = (64, 128, 128, 128)
+    num_heads: tuple[int, ...] = (2, 4, 4, 4)
+    mlp_ratio: float = Field(3.0, gt=0)
+    patch_size: int = Field(8, gt=0)  # stem stride; the token grid is img_size / (2 * patch_size)
+    drop_path: float = Field(0.0, ge=0, lt=1)
+
+    @model_validator(mode="after")
+    def _known(self) -> Model:
+        if self.name != CUSTOM_MODEL and self.name not in VOLO_MODEL_NAMES:
+            raise ValueError(f"name: unknown model {self.name!r}; use {CUSTOM_MODEL} or one of {', '.join(VOLO_MODEL_NAMES)}")
+        if self.name == CUSTOM_MODEL and not (len(self.layers) == len(self.embed_dims) == len(self.num_heads)):
+            raise ValueError("layers, embed_dims and num_heads: must have the same length")
+        if any(dim % heads for dim, heads in zip(self.embed_dims, self.num_heads)):
+            raise ValueError("embed_dims: each must be divisible by its num_heads")
+        return self
+
+    @property
+    def stride(self) -> int:
+        """Pixels per token: the image side must be a multiple of this."""
+        return 2 * (self.patch_size if self.name == CUSTOM_MODEL else 8)
+
+
+class Optimizer(Section):
+    name: Literal["adamw", "lamb", "sgd"] = "adamw"
+    lr_base: float = Field(1.6e-2, gt=0)  # LR = lr_base * global_batch / 1024
+    weight_decay: float = Field(0.05, ge=0)
+    momentum: float = Field(0.9, ge=0, lt=1)  # sgd only
+    betas: tuple[float, float] = (0.9, 0.999)  # adamw / lamb
+
+
+class Schedule(Section):
+    warmup_epochs: float = Field(1.0, ge=0)
+    warmup_lr: float = Field(1e-6, ge=0)
+    min_lr: float = Field(1e-5, ge=0)
+
+
+class Ema(Section):
+    enabled: bool = False
+    decay: float = Field(0.9998, gt=0, lt=1)
+
+
+class Train(Section):
+    img_size: int = Field(32, gt=0)
+    epochs: int = Field(10, gt=0)
+    batch_size: int = Field(64, gt=0)  # per device
+    accum_steps: int = Field(1, gt=0)
+    optimizer: Optimizer = Optimizer()
+    schedule: Schedule = Schedule()
+    label_smoothing: float = Field(0.1, ge=0, lt=1)
+    clip_grad: float = Field(0.0, ge=0)  # max grad norm; 0 turns clipping off
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: fp32 on CPU, bf16 on GPU
+    ema: Ema = Ema()
+    val_crop_pct: float = Field(1.0, gt=0, le=2)
+
+
+class Evaluate(Section):
+    img_size: int = Field(32, gt=0)
+    crop_pct: float = Field(1.0, gt=0, le=2)  # resize to floor(img_size / crop_pct), centre crop
+    batch_size: int = Field(256, gt=0)
+
+
+class Tracking(Section):
+    experiment: str = Field("coarse2fine", min_length=1)
+
+
+class Params(Section):
+    seed: int = Field(0, ge=0)
+    launch: Launch = Launch()
+    data: Data = Data()
+    loader: Loader = Loader()
+    augment: Augment = Augment()
+    model: Model = Model()
+    pretrain: Train = Train()
+    evaluate: Evaluate = Evaluate()
+    tracking: Tracking = Tracking()
+
+    @model_validator(mode="after")
+    def _image_sizes_fit_the_token_grid(self) -> Params:
+        stride = self.model.stride
+        for key, size in (("pretrain.img_size", self.pretrain.img_size), ("evaluate.img_size", self.evaluate.img_size)):
+            if size % stride:
+                raise ValueError(f"{key}: {size} is not divisible by the model's token stride {stride} (2 x patch size)")
+        return self
+
+
+def _format(error: ValidationError) -> str:
+    lines = []
+    for item in error.errors():
+        path = ".".join(str(part) for part in item["loc"])
+        message = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "extra_forbidden":
+            message = "unknown key"
+        elif "input" in item and item["type"] != "missing" and not isinstance(item["input"], dict):
+            message = f"{message} (got {item['input']!r})"
+        lines.append(f"{path}: {message}" if path else message)
+    return "\n".join(lines)
+
+
+def parse_params(raw: Any, source: str = "params.yaml") -> Params:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ParamsError(f"{source}: expected a mapping at the top level, got {type(raw).__name__}")
+    try:
+        return Params.model_validate(_lists_to_tuples(raw))
+    except ValidationError as error:
+        raise ParamsError("\n".join(f"{source}: {line}" for line in _format(error).splitlines())) from None
+
+
+def load_params(path: str | Path = "params.yaml") -> Params:
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ParamsError(f"{path}: file not found (run from the project root or pass --params)") from None
+    except yaml.YAMLError as error:
+        raise ParamsError(f"{path}: not valid YAML: {str(error).splitlines()[0]}") from None
+    return parse_params(raw, str(path))
+
+
+def _lists_to_tuples(value: Any) -> Any:
+    # YAML lists arrive as lists; the schema uses tuples (immutable, strict-mode friendly).
+    if isinstance(value, dict):
+        return {key: _lists_to_tuples(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return tuple(_lists_to_tuples(item) for item in value)
+    return value
+
+
+def flatten(params: BaseModel, prefix: str = "") -> dict[str, Any]:
+    """`{"pretrain.optimizer.lr_base": 0.016, ...}`: the form tracking logs."""
+    flat: dict[str, Any] = {}
+    for key, value in params:
+        name = f"{prefix}{key}"
+        if isinstance(value, BaseModel):
+            flat.update(flatten(value, f"{name}."))
+        else:
+            flat[name] = list(value) if isinstance(value, tuple) else value
+    return flat
+
+
+def scaled_lr(lr_base: float, global_batch: int) -> float:
+    """The linear scaling rule the reference code lacked: small batches get a proportionally small LR."""
+    return lr_base * global_batch / 1024

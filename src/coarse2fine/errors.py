@@ -1,0 +1,8 @@
+"""User mistakes (a bad param, a missing file, an unreadable data root) as opposed to bugs.
+
+Stages print a UserError as one line and exit with code 2; anything else is a bug and keeps its traceback.
+"""
+
+
+class UserError(Exception):
+    """A problem the user can fix; the message names the key, file or value at fault."""

@@ -7,6 +7,7 @@ any heavy work. Modules receive the typed objects below and never read params.ya
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -181,6 +182,9 @@ class Params(Section):
         return self
 
 
+KEY_PREFIX = re.compile(r"^[a-z_][a-z0-9_.]*: ")
+
+
 def _format(error: ValidationError) -> str:
     lines = []
     for item in error.errors():
@@ -190,7 +194,9 @@ def _format(error: ValidationError) -> str:
             message = "unknown key"
         elif "input" in item and item["type"] != "missing" and not isinstance(item["input"], dict):
             message = f"{message} (got {item['input']!r})"
-        lines.append(f"{path}: {message}" if path else message)
+        # Cross-field validators start their message with the field name: join it onto the section path.
+        separator = "." if KEY_PREFIX.match(message) else ": "
+        lines.append(f"{path}{separator}{message}" if path else message)
     return "\n".join(lines)
 
 

@@ -1,0 +1,101 @@
+"""The params schema: the shipped file is valid, and each kind of user mistake is one line naming the key."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from coarse2fine.config import ParamsError, flatten, load_params, parse_params, scaled_lr
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def shipped() -> dict:
+    return yaml.safe_load((ROOT / "params.yaml").read_text())
+
+
+def with_change(path: str, value) -> dict:
+    raw = shipped()
+    *parents, leaf = path.split(".")
+    node = raw
+    for key in parents:
+        node = node[key]
+    node[leaf] = value
+    return raw
+
+
+def test_shipped_params_are_valid_and_complete():
+    params = load_params(ROOT / "params.yaml")
+    # Every schema field is spelled out in params.yaml, so the file documents every knob.
+    assert set(flatten(params)) == set(flatten(parse_params({})))
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "expected"),
+    [
+        ("pretrain.optimizer.lr_base", -1.0, "pretrain.optimizer.lr_base: Input should be greater than 0 (got -1.0)"),
+        ("pretrain.epochs", "ten", "pretrain.epochs: Input should be a valid integer (got 'ten')"),
+        ("data.subset", 1.5, "data.subset: Input should be less than or equal to 1 (got 1.5)"),
+        ("data.subset", 0.0, "data.subset: Input should be greater than 0 (got 0.0)"),
+        ("data.source", "s3", "data.source: Input should be 'digits' or 'imagefolder' (got 's3')"),
+        ("pretrain.img_size", 40, "pretrain.img_size: 40 is not divisible by the model's token stride 16"),
+        ("evaluate.img_size", 33, "evaluate.img_size: 33 is not divisible by the model's token stride 16"),
+        ("augment.scale", [0.9, 0.1], "augment.scale: must be 0 < low <= high (got [0.9, 0.1])"),
+        ("model.name", "resnet50", "model.name: unknown model 'resnet50'"),
+    ],
+)
+def test_bad_values_name_the_key(path, value, expected):
+    with pytest.raises(ParamsError) as error:
+        parse_params(with_change(path, value))
+    assert expected in str(error.value)
+    assert str(error.value).startswith("params.yaml: ")
+
+
+def test_unknown_keys_are_errors_not_ignored():
+    raw = shipped()
+    raw["pretrain"]["optimiser"] = {"lr_base": 1.0}  # British spelling: a typo that must not be dropped
+    raw["colour"] = "red"
+    with pytest.raises(ParamsError) as error:
+        parse_params(raw)
+    assert str(error.value).splitlines() == [
+        "params.yaml: pretrain.optimiser: unknown key",
+        "params.yaml: colour: unknown key",
+    ]
+
+
+def test_imagefolder_needs_a_root():
+    with pytest.raises(ParamsError, match=r"data.root: required when source is 'imagefolder'"):
+        parse_params(with_change("data.source", "imagefolder"))
+
+
+def test_broken_yaml_and_missing_file(tmp_path):
+    bad = tmp_path / "params.yaml"
+    bad.write_text("data: [unclosed\n")
+    with pytest.raises(ParamsError, match="not valid YAML"):
+        load_params(bad)
+    with pytest.raises(ParamsError, match="file not found"):
+        load_params(tmp_path / "missing.yaml")
+
+
+def test_stage_exits_2_with_one_line_before_heavy_work(tmp_path):
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump(with_change("pretrain.optimizer.lr_base", -0.1)))
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "stages" / "convert.py"), "--params", str(params), "--out", str(tmp_path / "out")],
+        capture_output=True, text=True, cwd=tmp_path, timeout=120,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"error: {params}: pretrain.optimizer.lr_base: Input should be greater than 0 (got -0.1)"
+    ]
+    assert not (tmp_path / "out").exists()
+
+
+def test_flatten_and_lr_scaling():
+    flat = flatten(parse_params({}))
+    assert flat["pretrain.optimizer.lr_base"] == 1.6e-2
+    assert flat["model.layers"] == [1, 1, 1, 1]
+    assert scaled_lr(1.6e-3, 1024) == pytest.approx(1.6e-3)
+    assert scaled_lr(1.6e-2, 64) == pytest.approx(1e-3)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Callable
 
@@ -23,5 +24,22 @@ def run(main: Callable[[Params, argparse.Namespace], None], parser: argparse.Arg
         params = load_params(args.params)
         main(params, args)
     except UserError as error:
-        print(f"error: {error}", file=sys.stderr)
+        # Under torchrun every rank hits the same mistake; one copy of the message is enough.
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
+
+
+def check_params() -> None:
+    """`python -m coarse2fine.cli [params.yaml]`: validate before torchrun starts any worker.
+
+    dvc.yaml runs this ahead of each torchrun command so a bad value stops the stage with one line and
+    exit code 2, instead of every worker failing and torchrun reporting a child failure.
+    """
+    parser = argparse.ArgumentParser(description=check_params.__doc__.splitlines()[0])
+    parser.add_argument("params", nargs="?", default="params.yaml")
+    run(lambda params, args: None, parser)
+
+
+if __name__ == "__main__":
+    check_params()

@@ -1,0 +1,293 @@
+"""The convert stage on real files: what passes through, what is re-encoded, what is skipped, and why."""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from conftest import PROJECT_ROOT, cpu_runtime, make_params
+from PIL import Image
+
+from coarse2fine.data import records, sources
+from coarse2fine.data.convert import convert
+from coarse2fine.errors import UserError
+
+STAGE = PROJECT_ROOT / "stages" / "convert.py"
+ENV = {**os.environ, "DVC_NO_ANALYTICS": "1", "MLFLOW_DISABLE_TELEMETRY": "true"}
+
+# Good images of the test tree: path -> "copy" (stored byte for byte) or "convert" (re-encoded RGB JPEG).
+GOOD = {
+    "train/cat/baseline.jpg": "copy",
+    "train/cat/progressive.jpg": "copy",
+    "train/cat/grey.jpg": "copy",
+    "train/cat/decoy_marker.jpg": "copy",  # a lossless-JPEG marker inside a comment must not fool the check
+    "train/cat/cmyk.jpg": "convert",
+    "train/big dog/ñandú_猫.jpg": "copy",
+    "train/big dog/rgba.png": "convert",
+    "train/big dog/palette.png": "convert",
+    "val/cat/baseline.jpg": "copy",
+    "val/big dog/rgb.png": "convert",
+}
+# Bad files: path -> the start of the reason the manifest must give.
+BAD = {
+    "train/cat/truncated.jpg": "cannot decode: OSError: image file is truncated",
+    "train/cat/empty.jpg": "empty file",
+    "train/cat/notes.txt": "not an image file (extension '.txt')",
+    "train/big dog/garbage.jpg": "not an image PIL can read",
+    "val/big dog/truncated.png": "cannot decode",
+}
+
+
+def _noise(width: int, height: int, mode: str, seed: int) -> Image.Image:
+    channels = Image.getmodebands(mode)
+    return Image.frombytes(mode, (width, height), np.random.default_rng(seed).bytes(width * height * channels))
+
+
+def _half_transparent(image: Image.Image) -> Image.Image:
+    """`image` with its left 8 columns (one JPEG block wide) fully transparent."""
+    alpha = np.full((image.height, image.width), 255, np.uint8)
+    alpha[:, :8] = 0
+    image.putalpha(Image.fromarray(alpha))
+    return image
+
+
+def _jpeg_bytes(image: Image.Image, **options) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, "JPEG", quality=90, **options)
+    return buffer.getvalue()
+
+
+def build_image_folder(root: Path) -> Path:
+    """Every kind of file the converter meets, under two classes ("big dog" has a space in its name)."""
+    for folder in ("train/cat", "train/big dog", "val/cat", "val/big dog"):
+        (root / folder).mkdir(parents=True)
+    files = {
+        "train/cat/baseline.jpg": _jpeg_bytes(_noise(40, 30, "RGB", 1)),
+        "train/cat/progressive.jpg": _jpeg_bytes(_noise(36, 28, "RGB", 2), progressive=True),
+        "train/cat/grey.jpg": _jpeg_bytes(_noise(24, 20, "L", 3)),
+        "train/cat/decoy_marker.jpg": _jpeg_bytes(_noise(16, 16, "RGB", 13), comment=b"\xff\xc3\x00\x0b\x08"),
+        "train/cat/cmyk.jpg": _jpeg_bytes(_noise(30, 30, "CMYK", 4)),
+        "train/cat/truncated.jpg": _jpeg_bytes(_noise(64, 64, "RGB", 5))[:1500],
+        "train/cat/empty.jpg": b"",
+        "train/cat/notes.txt": b"not an image\n",
+        "train/cat/.DS_Store": b"\0hidden",
+        "train/big dog/ñandú_猫.jpg": _jpeg_bytes(_noise(33, 21, "RGB", 6)),
+        "train/big dog/garbage.jpg": np.random.default_rng(7).bytes(2000),
+        "val/cat/baseline.jpg": _jpeg_bytes(_noise(25, 35, "RGB", 8)),
+    }
+    for path, data in files.items():
+        (root / path).write_bytes(data)
+    _half_transparent(_noise(20, 20, "RGB", 9)).save(root / "train/big dog/rgba.png")
+    palette = _noise(16, 12, "RGB", 10).quantize(8)
+    indices = np.asarray(palette).copy()
+    indices[:, :8] = 7  # palette entry 7 is declared transparent below
+    palette.frombytes(indices.tobytes())
+    palette.save(root / "train/big dog/palette.png", transparency=7)
+    _noise(18, 22, "RGB", 11).save(root / "val/big dog/rgb.png")
+    png = io.BytesIO()
+    _noise(64, 64, "RGB", 12).save(png, "PNG")
+    (root / "val/big dog/truncated.png").write_bytes(png.getvalue()[:3000])
+    return root
+
+
+def run_stage(params: dict, params_path: Path, out: Path, nproc: int = 1) -> subprocess.Popen:
+    """Start stages/convert.py (under torchrun when nproc > 1) on `params` written to `params_path`."""
+    params_path.write_text(yaml.safe_dump(params, allow_unicode=True), encoding="utf-8")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    command = [*(torchrun if nproc > 1 else [sys.executable]), str(STAGE), "--params", str(params_path), "--out", str(out)]
+    return subprocess.Popen(
+        command, cwd=PROJECT_ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def read_split(records_dir: Path, split: str) -> list[dict]:
+    return [record for tfrecord, _ in records.shard_files(records_dir, split) for record in records.read_shard(tfrecord)]
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The test tree converted by the real stage twice, at the same time: 2 ranks x 2 workers and 1 rank x 1 worker."""
+    tmp = tmp_path_factory.mktemp("convert")
+    root = build_image_folder(tmp / "images")
+    data = {"source": "imagefolder", "root": str(root), "train_shards": 2, "val_shards": 1}
+    runs = {
+        "two_ranks": run_stage({"data": {**data, "convert_workers": 2}}, tmp / "two.yaml", tmp / "two", nproc=2),
+        "one_rank": run_stage({"data": {**data, "convert_workers": 1}}, tmp / "one.yaml", tmp / "one"),
+    }
+    results = {name: (*process.communicate(timeout=300), process.returncode) for name, process in runs.items()}
+    return {"root": root, "two_ranks": tmp / "two", "one_rank": tmp / "one", "results": results}
+
+
+def test_stage_exits_0_and_summarises(converted):
+    for name, (stdout, stderr, code) in converted["results"].items():
+        assert code == 0, f"{name}: {stderr}"
+        assert "convert: 8 train + 2 val images" in stdout
+        assert "5 files skipped" in stdout
+
+
+def test_manifest_counts_and_skipped_reasons(converted):
+    manifest = records.read_manifest(converted["two_ranks"])
+    assert manifest["classes"] == records.read_classes(converted["two_ranks"]) == ["big dog", "cat"]
+    assert manifest["source"] == {"kind": "imagefolder", "root": str(converted["root"])}
+    train, val = manifest["splits"]["train"], manifest["splits"]["val"]
+    assert (train["images"], train["passed_through"], train["converted"]) == (8, 5, 3)
+    assert (val["images"], val["passed_through"], val["converted"]) == (2, 1, 1)
+    assert train["per_class"] == {"big dog": 3, "cat": 5}
+    assert val["per_class"] == {"big dog": 1, "cat": 1}
+    assert [shard["count"] for shard in train["shards"]] == [4, 4]
+    assert [shard["first_index"] for shard in train["shards"]] == [0, 4]
+    skipped = {item["path"]: item["reason"] for split in ("train", "val") for item in manifest["splits"][split]["skipped"]}
+    assert skipped.keys() == BAD.keys()  # the hidden .DS_Store is ignored, not listed
+    for path, reason in BAD.items():
+        assert skipped[path].startswith(reason), (path, skipped[path])
+
+
+def test_records_hold_the_images(converted):
+    root, records_dir = converted["root"], converted["two_ranks"]
+    classes = records.read_classes(records_dir)
+    seen = {}
+    for split in records.SPLITS:
+        split_records = read_split(records_dir, split)
+        assert [record["index"] for record in split_records] == list(range(len(split_records)))
+        for record in split_records:
+            seen[record["path"]] = record
+            assert record["label"] == classes.index(record["path"].split("/")[1])
+            with Image.open(io.BytesIO(record["image"])) as image:
+                image.load()
+                assert image.format == "JPEG"
+                assert (record["width"], record["height"]) == image.size == Image.open(root / record["path"]).size
+                if GOOD[record["path"]] == "convert":
+                    assert image.mode == "RGB"
+            if GOOD[record["path"]] == "copy":
+                assert record["image"] == (root / record["path"]).read_bytes()
+    assert seen.keys() == GOOD.keys()
+
+
+@pytest.mark.parametrize("name", ["rgba.png", "palette.png"])
+def test_transparent_pixels_become_white(converted, name):
+    record = next(record for record in read_split(converted["two_ranks"], "train") if record["path"].endswith(name))
+    pixels = np.asarray(Image.open(io.BytesIO(record["image"])), dtype=np.float64)
+    assert pixels[:, :8].mean() > 230  # composited on black it would be near 0
+    assert pixels[:, 8:].mean() < 200  # the opaque noise is kept
+
+
+def test_index_files_match_the_records(converted):
+    for split in records.SPLITS:
+        for tfrecord, index in records.shard_files(converted["two_ranks"], split):
+            offsets = np.loadtxt(index, dtype=np.int64, ndmin=2)
+            assert len(offsets) == sum(1 for _ in records.read_shard(tfrecord))
+            assert offsets[-1].sum() == tfrecord.stat().st_size  # last offset + length = end of file
+
+
+def test_output_is_independent_of_ranks_and_workers(converted):
+    two, one = converted["two_ranks"], converted["one_rank"]
+    assert records.read_manifest(two) == records.read_manifest(one)  # includes every shard's sha256
+    names = sorted(path.name for path in two.iterdir())
+    assert names == sorted(path.name for path in one.iterdir())
+    for name in names:
+        assert (two / name).read_bytes() == (one / name).read_bytes(), name
+
+
+def test_converting_again_in_process_is_byte_identical(converted, tmp_path):
+    params = make_params(data={"source": "imagefolder", "root": str(converted["root"]), "convert_workers": 2})
+    manifest = convert(params, cpu_runtime(), tmp_path)
+    assert manifest == records.read_manifest(converted["one_rank"])
+
+
+def test_train_records_are_class_mixed_and_val_ordered(digits_records):
+    manifest = records.read_manifest(digits_records)
+    assert manifest["splits"]["train"]["images"] == 434 and manifest["splits"]["val"]["images"] == 108
+    for tfrecord, _ in records.shard_files(digits_records, "train"):
+        labels = [record["label"] for record in records.read_shard(tfrecord)]
+        assert set(labels) == set(range(10))
+        assert labels != sorted(labels)
+    val = read_split(digits_records, "val")
+    listing_order = [(record["label"], record["path"]) for record in val]
+    assert listing_order == sorted(listing_order)
+    assert {(record["width"], record["height"]) for record in val} == {(32, 32)}
+
+
+@pytest.fixture(scope="module")
+def digits_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("digits")
+    sources.write_digits(root, make_params().data.digits, seed=0)
+    return root
+
+
+def test_digits_split_is_stratified(digits_root):
+    full = sources.list_imagefolder(digits_root, subset=1.0, seed=0)
+    assert len(full.files["train"]) + len(full.files["val"]) == 1797
+    for label in range(10):
+        train = sum(file.label == label for file in full.files["train"])
+        val = sum(file.label == label for file in full.files["val"])
+        assert 0.18 < val / (train + val) < 0.22
+
+
+def test_subset_is_stratified_seeded_and_keeps_one_per_class(digits_root):
+    full = sources.list_imagefolder(digits_root, subset=1.0, seed=0)
+    part = sources.list_imagefolder(digits_root, subset=0.3, seed=0)
+    for split in records.SPLITS:
+        assert set(part.files[split]) <= set(full.files[split])
+        assert part.files[split] == sorted(part.files[split], key=lambda file: (file.label, file.path))
+        for label in range(10):
+            total = sum(file.label == label for file in full.files[split])
+            assert sum(file.label == label for file in part.files[split]) == max(1, round(total * 0.3))
+    assert sources.list_imagefolder(digits_root, subset=0.3, seed=0).files == part.files
+    assert sources.list_imagefolder(digits_root, subset=0.3, seed=1).files != part.files
+    tiny = sources.list_imagefolder(digits_root, subset=0.001, seed=0)
+    assert [file.label for file in tiny.files["train"]] == list(range(10))
+
+
+def test_bad_root_exits_2_with_one_line(tmp_path):
+    missing = tmp_path / "no such dir"
+    process = run_stage({"data": {"source": "imagefolder", "root": str(missing)}}, tmp_path / "params.yaml", tmp_path / "out")
+    stderr = process.communicate(timeout=120)[1]
+    assert process.returncode == 2
+    assert stderr.strip().count("\n") == 0 and str(missing) in stderr and "Traceback" not in stderr
+
+
+@pytest.mark.parametrize(
+    ("breakage", "named"),
+    [
+        ("no val", "val"),
+        ("empty class", "train/cat"),
+        ("extra val class", "val"),
+        ("only broken images", "val/cat"),
+    ],
+)
+def test_bad_trees_are_user_errors_naming_the_folder(tmp_path, breakage, named):
+    root = tmp_path / "images"
+    for folder in ("train/cat", "train/dog", "val/cat", "val/dog"):
+        (root / folder).mkdir(parents=True)
+        _noise(8, 8, "RGB", 0).save(root / folder / "a.png")
+    if breakage == "no val":
+        shutil.rmtree(root / "val")
+    elif breakage == "empty class":
+        (root / "train/cat/a.png").unlink()
+    elif breakage == "extra val class":
+        (root / "val/bird").mkdir()
+    elif breakage == "only broken images":
+        (root / "val/cat/a.png").write_bytes(b"")
+    params = make_params(data={"source": "imagefolder", "root": str(root), "train_shards": 1, "convert_workers": 1})
+    with pytest.raises(UserError, match=re.escape(str(root / named))):
+        convert(params, cpu_runtime(), tmp_path / "out")
+
+
+def test_more_shards_than_images_is_a_user_error(tmp_path):
+    root = build_image_folder(tmp_path / "images")
+    params = make_params(data={"source": "imagefolder", "root": str(root), "val_shards": 3, "convert_workers": 1})
+    with pytest.raises(UserError, match="data.val_shards"):
+        convert(params, cpu_runtime(), tmp_path / "out")
+
+
+def test_reading_unconverted_records_is_a_user_error(tmp_path):
+    with pytest.raises(UserError, match="run the convert stage first"):
+        records.shard_files(tmp_path / "records", "train")

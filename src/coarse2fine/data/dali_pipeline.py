@@ -1,0 +1,221 @@
+"""The DALI backend: train/val pipelines over the TFRecord shards (CPU pipeline without a GPU, `mixed` decoding
+with one); `build_loader` in loaders.py is the way in.
+
+Train: peek the JPEG's shape -> random_crop_generator(area, aspect) -> decode only that window
+(decoders.image_slice) -> resize S x S -> RandAugment (colour ops) -> crop_mirror_normalize (mirror = the
+hflip coin) -> random erasing. The window's anchor/shape and the coin are pipeline outputs: the crop is
+known exactly, which the token labels need (fn.random_resized_crop would hide it).
+Val: resize the shorter side to floor(S / crop_pct) -> centre crop S (padded if larger) -> normalise.
+
+RandAugment versus timm (the torch backend runs timm's own): the same colour ops and magnitude levels
+(loaders.RAND_AUGMENT_OPS, 11 bins = timm's levels 0..10, inc1 -> DALI's monotonic suite, inc0 -> its
+non-monotonic one), n ops per image, each applied with probability 0.5 like timm's default (see
+`colour_rand_augment`). Approximated: `mstd`. DALI's rand_augment takes one integer magnitude for the whole
+batch, so the magnitude is not jittered around m (same mean, no spread).
+The flip is applied by crop_mirror_normalize after RandAugment: every op in the colour set commutes with a
+horizontal flip, so the image is the one flip-then-RandAugment would give.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from nvidia.dali import Pipeline, fn, pipeline_def, types
+from nvidia.dali import tfrecord as tfrec
+from nvidia.dali.auto_aug import augmentations, rand_augment
+from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
+
+from coarse2fine.config import Augment
+from coarse2fine.data.loaders import (
+    IMAGE_MEAN,
+    IMAGE_STD,
+    MAX_RAND_AUGMENT_MAGNITUDE,
+    RAND_AUGMENT_OPS,
+    LoaderSettings,
+    RandAugmentSpec,
+    derive_seed,
+    resized_short_side,
+)
+
+READER_NAME = "records"
+TRAIN_OUTPUTS = ("image", "label", "index", "image_hw", "crop_box", "flip")
+VAL_OUTPUTS = ("image", "label", "index", "image_hw")
+INTERPOLATION = {"bilinear": types.INTERP_LINEAR, "bicubic": types.INTERP_CUBIC}
+# timm's RandomErasing defaults: erased area 2%..1/3 of the image, aspect ratio 0.3..1/0.3 (log-uniform).
+ERASE_AREA = (0.02, 1 / 3)
+ERASE_ASPECT = (0.3, 1 / 0.3)
+FEATURES = {
+    "image": tfrec.FixedLenFeature((), tfrec.string, ""),
+    "label": tfrec.FixedLenFeature([], tfrec.int64, -1),
+    "index": tfrec.FixedLenFeature([], tfrec.int64, -1),
+}
+
+
+def decoder_device(settings: LoaderSettings) -> str:
+    """The one CPU/GPU choice: `mixed` decodes on the GPU (everything after it follows), else all on the CPU."""
+    return "cpu" if settings.runtime.device_id is None else "mixed"
+
+
+def read_records(files: list[str], index_files: list[str], shard_id: int, num_shards: int, shuffle: bool):
+    # pad_last_batch keeps every epoch's shard boundaries exact (without it, later epochs drift across shards).
+    # The shuffle is buffered (initial_fill records), which is enough because convert writes train shuffled.
+    return fn.readers.tfrecord(
+        path=files,
+        index_path=index_files,
+        features=FEATURES,
+        shard_id=shard_id,
+        num_shards=num_shards,
+        random_shuffle=shuffle,
+        pad_last_batch=True,
+        name=READER_NAME,
+    )
+
+
+def normalise(image, img_size: int, mirror=0):
+    """uint8 HWC -> float CHW normalised with timm's ImageNet mean/std; crops centrally to S x S, padding black
+    like torchvision's CenterCrop (the fill is in output units: black normalised)."""
+    return fn.crop_mirror_normalize(
+        image,
+        crop=(img_size, img_size),
+        out_of_bounds_policy="pad",
+        fill_values=[-mean / std for mean, std in zip(IMAGE_MEAN, IMAGE_STD)],
+        mirror=mirror,
+        mean=[255 * value for value in IMAGE_MEAN],
+        std=[255 * value for value in IMAGE_STD],
+        dtype=types.FLOAT,
+        output_layout="CHW",
+    )
+
+
+def colour_rand_augment(image, spec: RandAugmentSpec):
+    if spec.increasing:
+        suite = rand_augment.get_rand_augment_suite()
+    else:
+        suite = rand_augment.get_rand_augment_non_monotonic_suite()
+    # invert and solarize_add are in timm's set but not in DALI's default suite; DALI provides both ops.
+    available = {op.name: op for op in [*suite, augmentations.invert, augmentations.solarize_add]}
+    ops = [available[name] for name in RAND_AUGMENT_OPS]
+    # timm applies each drawn op with probability 0.5; drawing uniformly from the ops plus as many identities
+    # gives exactly that (DALI always applies what it draws).
+    return rand_augment.apply_rand_augment(
+        ops + [augmentations.identity] * len(ops),
+        image,
+        n=spec.num_ops,
+        m=spec.magnitude,
+        num_magnitude_bins=MAX_RAND_AUGMENT_MAGNITUDE + 1,
+    )
+
+
+def random_erase(image, probability: float, img_size: int):
+    """timm's RandomErasing, pixel mode: with `probability`, one box filled with per-pixel N(0, 1) noise (in
+    normalised units). The box is drawn by random_crop_generator, which samples area and log-aspect like timm."""
+    box_anchor, box_shape = fn.random_crop_generator(
+        types.Constant([img_size, img_size], dtype=types.INT64, device="cpu"),
+        random_area=ERASE_AREA,
+        random_aspect_ratio=ERASE_ASPECT,
+    )
+    if fn.random.coin_flip(probability=probability, dtype=types.BOOL):
+        outside_box = fn.erase(
+            fn.ones_like(image),
+            anchor=fn.cast(box_anchor, dtype=types.FLOAT),  # erase takes float coordinates
+            shape=fn.cast(box_shape, dtype=types.FLOAT),
+            axis_names="HW",
+            fill_value=0,
+        )
+        image = image * outside_box + fn.random.normal(image) * (1 - outside_box)
+    return image
+
+
+@pipeline_def(enable_conditionals=True)
+def train_pipeline(files, index_files, shard_id, num_shards, img_size, augment: Augment, rand_spec, device):
+    record = read_records(files, index_files, shard_id, num_shards, shuffle=True)
+    image_hw = fn.peek_image_shape(record["image"])[0:2]
+    crop_anchor, crop_shape = fn.random_crop_generator(
+        image_hw, random_area=augment.scale, random_aspect_ratio=augment.ratio
+    )
+    image = fn.decoders.image_slice(
+        record["image"], start=crop_anchor, shape=crop_shape, axis_names="HW", device=device, output_type=types.RGB
+    )
+    image = fn.resize(image, size=(img_size, img_size), interp_type=INTERPOLATION[augment.interpolation])
+    flip = fn.random.coin_flip(probability=augment.hflip)
+    if rand_spec is not None:
+        image = colour_rand_augment(image, rand_spec)
+    image = normalise(image, img_size, mirror=flip)
+    if augment.reprob > 0:
+        image = random_erase(image, augment.reprob, img_size)
+    crop_box = fn.cat(fn.cast(crop_anchor, dtype=types.INT64), fn.cast(crop_shape, dtype=types.INT64))
+    return image, record["label"], record["index"], image_hw, crop_box, flip
+
+
+@pipeline_def
+def val_pipeline(files, index_files, shard_id, num_shards, img_size, crop_pct, interpolation, device):
+    record = read_records(files, index_files, shard_id, num_shards, shuffle=False)
+    image_hw = fn.peek_image_shape(record["image"])[0:2]
+    image = fn.decoders.image(record["image"], device=device, output_type=types.RGB)
+    image = fn.resize(
+        image, resize_shorter=resized_short_side(img_size, crop_pct), interp_type=INTERPOLATION[interpolation]
+    )
+    return normalise(image, img_size), record["label"], record["index"], image_hw
+
+
+class DaliBackend:
+    """Per epoch, a fresh pipeline seeded by (seed, epoch, rank), deserialised from a graph serialised once per
+    shard id (see loaders.py for why and what it costs)."""
+
+    def __init__(self, shards: list[tuple[Path, Path]], settings: LoaderSettings):
+        self._settings = settings
+        self._files = [str(tfrecord) for tfrecord, _ in shards]
+        self._index_files = [str(index) for _, index in shards]
+        self._graphs: dict[int, bytes] = {}
+
+    def batches(self, epoch: int) -> Iterator[dict[str, torch.Tensor]]:
+        settings, runtime = self._settings, self._settings.runtime
+        training = settings.mode == "train"
+        shard_id = (runtime.rank + epoch) % runtime.world_size if training else runtime.rank
+        pipeline = Pipeline.deserialize(
+            self._graph(shard_id), seed=derive_seed(settings.seed, epoch, runtime.rank)
+        )
+        outputs = TRAIN_OUTPUTS if training else VAL_OUTPUTS
+        # DROP: a rank's partial last batch would be extra steps the other ranks do not take.
+        policy = LastBatchPolicy.DROP if training else LastBatchPolicy.PARTIAL
+        for (batch,) in DALIGenericIterator(pipeline, list(outputs), reader_name=READER_NAME, last_batch_policy=policy):
+            yield batch
+
+    def _graph(self, shard_id: int) -> bytes:
+        if shard_id not in self._graphs:
+            self._graphs[shard_id] = self._define(shard_id).serialize()
+        return self._graphs[shard_id]
+
+    def _define(self, shard_id: int) -> Pipeline:
+        settings = self._settings
+        common = dict(
+            batch_size=settings.batch_size,
+            num_threads=max(1, settings.loader_cfg.workers),
+            device_id=settings.runtime.device_id,
+            prefetch_queue_depth=settings.loader_cfg.prefetch,
+            files=self._files,
+            index_files=self._index_files,
+            shard_id=shard_id,
+            num_shards=settings.runtime.world_size,
+            img_size=settings.img_size,
+            device=decoder_device(settings),
+        )
+        with _without_dali_alias_warnings():
+            if settings.mode == "train":
+                return train_pipeline(augment=settings.augment_cfg, rand_spec=settings.rand_augment, **common)
+            return val_pipeline(crop_pct=settings.crop_pct, interpolation=settings.augment_cfg.interpolation, **common)
+
+
+@contextlib.contextmanager
+def _without_dali_alias_warnings() -> Iterator[None]:
+    """DALI's own auto_aug calls deprecated `fn.experimental.*` aliases and forces those warnings on
+    (simplefilter("default") inside its warn); catch them while defining a graph, re-emit any other warning."""
+    with warnings.catch_warnings(record=True) as caught:
+        yield
+    for warning in caught:
+        if "nvidia.dali.fn.experimental" not in str(warning.message):
+            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)

@@ -1,0 +1,289 @@
+"""`build_loader`: one loader interface over two backends, DALI (default when importable) and torch.
+
+Both backends read the same TFRecord shards and apply the same recipe (docs/contracts.md, "Loaders"); what
+they share lives here so it cannot drift between them: the shard arithmetic, the per-epoch seeds, the
+normalisation constants, the RandAugment spec and op set, and the crop-window maths. A backend yields raw
+batches (image, label, index, image_hw, and for training crop_box + flip); `Loader` turns them into the
+contract's batch (window, flip) on the runtime's device and stops every rank after the same number of
+batches.
+
+Determinism and resuming: every epoch's stream is a pure function of (seed, epoch, rank, world), so
+`set_epoch(e)` on a fresh loader reproduces epoch e of an uninterrupted run.
+- torch: the train order is a permutation seeded by (seed, epoch); each sample's augmentation is seeded by
+  (seed, epoch, record index), independent of workers and ranks.
+- DALI: a pipeline cannot be reseeded, and a long-lived one carries its shuffle/augmentation state from
+  epoch to epoch (resuming would need its checkpoint). So each epoch runs a fresh pipeline deserialised from
+  a graph serialised once, with seed (seed, epoch, rank): about 0.05 s per epoch, against 0.5 s (1.5 s with
+  RandAugment; 5-7 s for a process's first graph) to define the graph again, measured on 2 CPU cores. Same
+  seed -> identical batches, whatever the thread count (tests/test_loaders.py).
+
+Training sharding: every rank gets `train_batches_per_rank` full batches (floor(N / world) // batch), a
+number every rank computes alike, so DDP never waits on a rank that ran out. torch: rank r takes every
+world-th sample of the epoch's permutation, cut to that many batches. DALI: rank r reads the contiguous
+shard (r + epoch) % world (rotating like DALI's own stick_to_shard=False); shards differ by at most one
+record, and DALIGenericIterator with reader_name and DROP already stops every rank when the smallest shard
+runs out of full batches (measured: 168- and 169-record shards, batch 13 -> 12 batches on both).
+Validation: rank r reads the contiguous record range `shard_range(N, r, world)` (DALI's own split), every
+record exactly once, the last batch partial. DALI's PARTIAL policy pads the smaller shards to the largest
+one's batch count with an empty batch (measured); `Loader` stops each rank after its own
+ceil(records / batch) batches, which removes it. That cap is the one place batch counts are enforced, for
+both backends and both splits.
+
+RandAugment is colour-only on both backends (`RAND_AUGMENT_OPS`): the token labels follow the crop window
+and the flip, and a rotate/shear/translate after the crop would move pixels away from their label cells.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Protocol
+
+import numpy as np
+import torch
+from timm.data.constants import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+
+from coarse2fine.config import Augment
+from coarse2fine.config import Loader as LoaderConfig
+from coarse2fine.data import records
+from coarse2fine.distributed import Runtime
+from coarse2fine.errors import UserError
+
+IMAGE_MEAN = IMAGENET_DEFAULT_MEAN
+IMAGE_STD = IMAGENET_DEFAULT_STD
+# timm's RandAugment levels run 0..10 (its _LEVEL_DENOM); DALI's magnitude bins are 0..bins-1, so 11 bins put
+# the same magnitude on the same level (bin / 10 of each op's range, as timm's level / 10).
+MAX_RAND_AUGMENT_MAGNITUDE = 10
+# The colour ops of timm's RandAugment set, which DALI's auto_aug provides too. Left out: Rotate, ShearX/Y,
+# TranslateX/YRel (they would misplace the token labels, see the module docstring) and Posterize: timm 1.0.31
+# asks Pillow for 0 bits at high magnitudes (m10, or m9 plus mstd noise), which Pillow 13 rejects with a
+# ValueError that kills the DataLoader worker.
+RAND_AUGMENT_OPS = (
+    "auto_contrast",
+    "equalize",
+    "invert",
+    "solarize",
+    "solarize_add",
+    "color",
+    "contrast",
+    "brightness",
+    "sharpness",
+)
+
+
+@dataclass(frozen=True)
+class RandAugmentSpec:
+    """A timm-style spec "rand-m9-n2-mstd0.5-inc1", parsed; defaults are timm's."""
+
+    text: str
+    num_ops: int = 2
+    magnitude: int = MAX_RAND_AUGMENT_MAGNITUDE
+    magnitude_std: float = 0.0
+    increasing: bool = False
+
+
+_RAND_AUGMENT_SECTION = re.compile(r"mstd(?P<mstd>\d+(?:\.\d+)?)|inc(?P<inc>[01])|m(?P<m>\d+)|n(?P<n>\d+)")
+
+
+def parse_rand_augment(text: str) -> RandAugmentSpec | None:
+    """None for "" (off). Only the options both backends honour; anything else is a UserError."""
+    if not text:
+        return None
+    name, *sections = text.split("-")
+    values: dict[str, str] = {}
+    for section in sections:
+        match = _RAND_AUGMENT_SECTION.fullmatch(section)
+        if name != "rand" or match is None:
+            raise UserError(
+                f"augment.rand_augment: cannot use {section if name == 'rand' else name!r} in {text!r} "
+                "(supported: rand-m<0..10>-n<ops>-mstd<float>-inc<0|1>)"
+            )
+        values.update((key, value) for key, value in match.groupdict().items() if value is not None)
+    spec = RandAugmentSpec(
+        text=text,
+        num_ops=int(values.get("n", 2)),
+        magnitude=int(values.get("m", MAX_RAND_AUGMENT_MAGNITUDE)),
+        magnitude_std=float(values.get("mstd", 0.0)),
+        increasing=values.get("inc") == "1",
+    )
+    if spec.magnitude > MAX_RAND_AUGMENT_MAGNITUDE:
+        raise UserError(f"augment.rand_augment: magnitude m{spec.magnitude} in {text!r} is above timm's maximum 10")
+    return spec
+
+
+def derive_seed(*parts: int) -> int:
+    """A well-mixed 31-bit seed from several integers (any seed API takes it: DALI, numpy, torch)."""
+    return int(np.random.SeedSequence(list(parts)).generate_state(1)[0] >> 1)
+
+
+def shard_range(num_records: int, shard: int, num_shards: int) -> range:
+    """The contiguous records of one shard, split as DALI's readers split them (sizes differ by at most 1)."""
+    return range(num_records * shard // num_shards, num_records * (shard + 1) // num_shards)
+
+
+def train_batches_per_rank(num_records: int, world_size: int, batch_size: int) -> int:
+    """Full batches every rank can fill from its smallest possible share: the same number on every rank."""
+    batches = num_records // world_size // batch_size
+    if batches == 0:
+        raise UserError(
+            f"batch_size {batch_size}: larger than the {num_records // world_size} training records each of "
+            f"{world_size} rank(s) gets; lower the batch size"
+        )
+    return batches
+
+
+def resized_short_side(img_size: int, crop_pct: float) -> int:
+    """Evaluation resizes the shorter side to this, then centre-crops img_size (timm's crop_pct rule)."""
+    return math.floor(img_size / crop_pct)
+
+
+def center_crop_box(image_hw: torch.Tensor, img_size: int, crop_pct: float) -> torch.Tensor:
+    """[B, 4] (top, left, height, width) in original pixels of "resize shorter side to floor(S / crop_pct),
+    centre crop S" (larger than the image when crop_pct > 1: the crop is padded)."""
+    image_hw = image_hw.to(torch.float64)
+    side = img_size * image_hw.min(dim=1, keepdim=True).values / resized_short_side(img_size, crop_pct)
+    top_left = (image_hw - side) / 2
+    return torch.cat([top_left, side, side], dim=1)
+
+
+def normalised_window(crop_box: torch.Tensor, image_hw: torch.Tensor) -> torch.Tensor:
+    """[B, 4] float32 (top/H, left/W, height/H, width/W) from pixel boxes (top, left, height, width)."""
+    image_hw = image_hw.to(torch.float64)
+    crop_box = crop_box.to(torch.float64)
+    return torch.cat([crop_box[:, :2] / image_hw, crop_box[:, 2:] / image_hw], dim=1).to(torch.float32)
+
+
+def count_records(shards: list[tuple[Path, Path]]) -> list[int]:
+    """Records per shard: one line per record in its index."""
+    counts = []
+    for _, index_path in shards:
+        with open(index_path, "rb") as index:
+            counts.append(sum(1 for _ in index))
+    return counts
+
+
+class Backend(Protocol):
+    """What a backend gives `Loader`: raw batches of one epoch (CPU or device tensors)."""
+
+    def batches(self, epoch: int) -> Iterator[dict[str, torch.Tensor]]: ...
+
+
+@dataclass(frozen=True)
+class LoaderSettings:
+    """Everything a backend needs besides the shard files, computed once here for both backends."""
+
+    mode: str  # train | val
+    img_size: int
+    batch_size: int
+    runtime: Runtime
+    loader_cfg: LoaderConfig
+    augment_cfg: Augment
+    rand_augment: RandAugmentSpec | None
+    crop_pct: float
+    seed: int
+    record_counts: tuple[int, ...]
+
+    @property
+    def num_records(self) -> int:
+        return sum(self.record_counts)
+
+
+class Loader:
+    """One split's batches on `runtime.device` (docs/contracts.md, "Loaders")."""
+
+    def __init__(self, backend_name: str, backend: Backend, settings: LoaderSettings):
+        self.backend = backend_name
+        self._impl = backend
+        self._settings = settings
+        self._epoch = 0
+        runtime = settings.runtime
+        if settings.mode == "train":
+            self._batches = train_batches_per_rank(settings.num_records, runtime.world_size, settings.batch_size)
+            self.num_samples = self._batches * settings.batch_size
+        else:
+            self.num_samples = len(shard_range(settings.num_records, runtime.rank, runtime.world_size))
+            self._batches = math.ceil(self.num_samples / settings.batch_size)
+
+    def set_epoch(self, epoch: int) -> None:
+        self._epoch = epoch
+
+    def __len__(self) -> int:
+        return self._batches
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        for raw in itertools.islice(self._impl.batches(self._epoch), self._batches):
+            yield self._contract_batch(raw)
+
+    def _contract_batch(self, raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        settings = self._settings
+        image_hw = raw["image_hw"]
+        if settings.mode == "train":
+            crop_box, flip = raw["crop_box"], raw["flip"].to(torch.bool)
+        else:
+            crop_box = center_crop_box(image_hw, settings.img_size, settings.crop_pct)
+            flip = torch.zeros(len(image_hw), dtype=torch.bool)
+        batch = {
+            "image": raw["image"],
+            "label": raw["label"].to(torch.int64),
+            "index": raw["index"].to(torch.int64),
+            "window": normalised_window(crop_box, image_hw),
+            "flip": flip,
+        }
+        runtime = settings.runtime
+        return {key: value.to(runtime.device, non_blocking=runtime.is_cuda) for key, value in batch.items()}
+
+
+def resolve_backend(name: str) -> str:
+    """`auto` is DALI when nvidia.dali imports, else torch."""
+    if name == "torch":
+        return name
+    try:
+        import nvidia.dali  # noqa: F401
+    except ImportError as error:
+        if name == "dali":
+            raise UserError(
+                f"loader.backend: 'dali' but nvidia.dali does not import ({error}); use auto or torch"
+            ) from None
+        return "torch"
+    return "dali"
+
+
+def build_loader(
+    split: str,
+    records_dir: str | Path,
+    *,
+    img_size: int,
+    batch_size: int,
+    runtime: Runtime,
+    loader_cfg: LoaderConfig,
+    augment_cfg: Augment,
+    crop_pct: float,
+    seed: int,
+) -> Loader:
+    """A loader for `split` ("train": augmented, sharded, equal batches per rank; "val": centre crop, each
+    record once), backend per loader_cfg.backend."""
+    if split not in records.SPLITS:
+        raise ValueError(f"split must be one of {records.SPLITS}, got {split!r}")
+    shards = records.shard_files(records_dir, split)
+    settings = LoaderSettings(
+        mode=split,
+        img_size=img_size,
+        batch_size=batch_size,
+        runtime=runtime,
+        loader_cfg=loader_cfg,
+        augment_cfg=augment_cfg,
+        rand_augment=parse_rand_augment(augment_cfg.rand_augment) if split == "train" else None,
+        crop_pct=crop_pct,
+        seed=seed,
+        record_counts=tuple(count_records(shards)),
+    )
+    backend_name = resolve_backend(loader_cfg.backend)
+    # Imported here: the DALI module needs nvidia.dali, and both backends import this module's helpers.
+    if backend_name == "dali":
+        from coarse2fine.data.dali_pipeline import DaliBackend as backend_class
+    else:
+        from coarse2fine.data.torch_pipeline import TorchBackend as backend_class
+    return Loader(backend_name, backend_class(shards, settings), settings)

@@ -1,0 +1,211 @@
+"""The torch backend (fallback without DALI): the same shards read with the `tfrecord` package, the same recipe
+with torchvision v2 and timm (timm's own RandAugment and RandomErasing), a torch DataLoader.
+
+Random access: record k of a shard is read with the tfrecord reader's `shard=(k, count)`, which seeks to the
+k-th offset of the shard's index (0.25 ms a record on 720-record shards), so any sampler order works and
+sharding is exact. The sampler yields (epoch, position) keys, so workers know the epoch without state, and
+every sample's augmentation is seeded by (seed, epoch, record index): identical whatever the worker count.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import io
+import itertools
+import random
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+from PIL import Image
+from tfrecord.reader import example_loader
+from timm.data.auto_augment import rand_augment_transform
+from timm.data.random_erasing import RandomErasing
+from torch.utils.data import DataLoader, Dataset, Sampler
+from torchvision.transforms import InterpolationMode, RandomResizedCrop
+from torchvision.transforms import v2
+
+from coarse2fine.data import records
+from coarse2fine.data.loaders import (
+    IMAGE_MEAN,
+    IMAGE_STD,
+    RAND_AUGMENT_OPS,
+    LoaderSettings,
+    RandAugmentSpec,
+    derive_seed,
+    resized_short_side,
+    shard_range,
+    train_batches_per_rank,
+)
+
+# timm's names for loaders.RAND_AUGMENT_OPS; with inc1 the ops that have one take their "...Increasing" form.
+TIMM_OPS = {
+    "auto_contrast": "AutoContrast",
+    "equalize": "Equalize",
+    "invert": "Invert",
+    "solarize": "Solarize",
+    "solarize_add": "SolarizeAdd",
+    "color": "Color",
+    "contrast": "Contrast",
+    "brightness": "Brightness",
+    "sharpness": "Sharpness",
+}
+TIMM_INCREASING = frozenset({"solarize", "color", "contrast", "brightness", "sharpness"})
+
+
+def timm_rand_augment(spec: RandAugmentSpec):
+    names = [
+        TIMM_OPS[op] + ("Increasing" if spec.increasing and op in TIMM_INCREASING else "") for op in RAND_AUGMENT_OPS
+    ]
+    return rand_augment_transform(spec.text, transforms=names)
+
+
+@contextlib.contextmanager
+def seeded_global_rngs(seed: int) -> Iterator[None]:
+    """torchvision and timm draw from the global python/numpy/torch RNGs: seed them for one sample and restore
+    them after (with workers=0 this runs in the training process, whose RNG streams must not change)."""
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[]):
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.default_generator.manual_seed(seed)  # CPU only: torch.manual_seed also seeds (lazy) CUDA, slowly
+        try:
+            yield
+        finally:
+            random.setstate(python_state)
+            np.random.set_state(numpy_state)
+
+
+to_normalised_tensor = v2.Compose(
+    [v2.PILToTensor(), v2.ToDtype(torch.float32, scale=True), v2.Normalize(list(IMAGE_MEAN), list(IMAGE_STD))]
+)
+
+
+class TrainTransform:
+    """random-resized-crop -> resize S x S -> hflip -> RandAugment -> normalise -> random erasing; returns the
+    crop box (top, left, height, width) in pixels and the flip with the image."""
+
+    def __init__(self, settings: LoaderSettings):
+        augment = settings.augment_cfg
+        self.size = [settings.img_size, settings.img_size]
+        self.augment = augment
+        self.interpolation = InterpolationMode[augment.interpolation.upper()]
+        self.rand_augment = timm_rand_augment(settings.rand_augment) if settings.rand_augment else None
+        self.erase = RandomErasing(augment.reprob, mode="pixel", device="cpu") if augment.reprob > 0 else None
+
+    def __call__(self, image: Image.Image) -> dict[str, torch.Tensor]:
+        scale, ratio = list(self.augment.scale), list(self.augment.ratio)
+        top, left, height, width = RandomResizedCrop.get_params(image, scale, ratio)
+        image = v2.functional.resized_crop(
+            image, top, left, height, width, self.size, interpolation=self.interpolation, antialias=True
+        )
+        flip = bool(torch.rand(()) < self.augment.hflip)
+        if flip:
+            image = v2.functional.horizontal_flip(image)
+        if self.rand_augment is not None:
+            image = self.rand_augment(image)
+        image = to_normalised_tensor(image)
+        if self.erase is not None:
+            image = self.erase(image)
+        return {"image": image, "crop_box": torch.tensor([top, left, height, width]), "flip": torch.tensor(flip)}
+
+
+class ValTransform:
+    """Resize the shorter side to floor(S / crop_pct) -> centre crop S (padded if larger) -> normalise."""
+
+    def __init__(self, settings: LoaderSettings):
+        self.resize_and_crop = v2.Compose(
+            [
+                v2.Resize(
+                    resized_short_side(settings.img_size, settings.crop_pct),
+                    interpolation=InterpolationMode[settings.augment_cfg.interpolation.upper()],
+                    antialias=True,
+                ),
+                v2.CenterCrop(settings.img_size),
+            ]
+        )
+
+    def __call__(self, image: Image.Image) -> dict[str, torch.Tensor]:
+        return {"image": to_normalised_tensor(self.resize_and_crop(image))}
+
+
+class RecordDataset(Dataset):
+    """The records of one split, addressed by position in shard order; items are keyed (epoch, position)."""
+
+    def __init__(self, shards: list[tuple[Path, Path]], settings: LoaderSettings):
+        self.shards = [(str(tfrecord), str(index)) for tfrecord, index in shards]
+        self.counts = settings.record_counts
+        self.first_positions = list(itertools.accumulate(self.counts, initial=0))[:-1]
+        self.seed = settings.seed
+        self.transform = TrainTransform(settings) if settings.mode == "train" else ValTransform(settings)
+
+    def __len__(self) -> int:
+        return sum(self.counts)
+
+    def __getitem__(self, key: tuple[int, int]) -> dict[str, torch.Tensor]:
+        epoch, position = key
+        shard = bisect.bisect_right(self.first_positions, position) - 1
+        tfrecord, index = self.shards[shard]
+        # One record: the tfrecord reader's shard (k, count) of a file with `count` records is exactly record k.
+        (record,) = example_loader(
+            tfrecord, index, records.FEATURES, shard=(position - self.first_positions[shard], self.counts[shard])
+        )
+        record_index, label = int(record["index"][0]), int(record["label"][0])
+        image = Image.open(io.BytesIO(record["image"])).convert("RGB")
+        with seeded_global_rngs(derive_seed(self.seed, epoch, record_index)):
+            sample = self.transform(image)
+        return {
+            **sample,
+            "label": torch.tensor(label),
+            "index": torch.tensor(record_index),
+            "image_hw": torch.tensor([image.height, image.width]),
+        }
+
+
+class EpochSampler(Sampler):
+    """This rank's positions for the current epoch, as (epoch, position) keys."""
+
+    def __init__(self, settings: LoaderSettings):
+        self.settings = settings
+        self.epoch = 0
+
+    def positions(self) -> list[int]:
+        settings, runtime = self.settings, self.settings.runtime
+        if settings.mode == "val":
+            return list(shard_range(settings.num_records, runtime.rank, runtime.world_size))
+        generator = torch.Generator().manual_seed(derive_seed(settings.seed, self.epoch))
+        order = torch.randperm(settings.num_records, generator=generator)
+        batches = train_batches_per_rank(settings.num_records, runtime.world_size, settings.batch_size)
+        return order[runtime.rank :: runtime.world_size][: batches * settings.batch_size].tolist()
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        return iter([(self.epoch, position) for position in self.positions()])
+
+    def __len__(self) -> int:
+        return len(self.positions())
+
+
+class TorchBackend:
+    """One DataLoader for the loader's life (persistent workers); each epoch re-reads the sampler."""
+
+    def __init__(self, shards: list[tuple[Path, Path]], settings: LoaderSettings):
+        workers = settings.loader_cfg.workers
+        self._sampler = EpochSampler(settings)
+        self._loader = DataLoader(
+            RecordDataset(shards, settings),
+            batch_size=settings.batch_size,
+            sampler=self._sampler,
+            num_workers=workers,
+            persistent_workers=workers > 0,
+            prefetch_factor=settings.loader_cfg.prefetch if workers > 0 else None,
+            pin_memory=settings.runtime.is_cuda,
+            # Its own generator: the DataLoader draws a base seed per epoch (unused here: samples are seeded
+            # by key), which would otherwise come from, and advance, the training process's torch RNG.
+            generator=torch.Generator(),
+        )
+
+    def batches(self, epoch: int) -> Iterator[dict[str, torch.Tensor]]:
+        self._sampler.epoch = epoch
+        return iter(self._loader)

@@ -1,0 +1,294 @@
+"""The loaders on real TFRecords, both backends: batch contract, sharding across ranks (in-process ranks and a real
+2-process torchrun), crop windows and flips against PIL, determinism and resuming.
+
+Run as a script (`torchrun --nproc_per_node=2 tests/test_loaders.py RECORDS OUT`), this file is the
+per-rank program of `test_sharding_under_torchrun`.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import DIGITS_RECORDS_PARAMS, cpu_runtime, make_params
+from PIL import Image
+
+from coarse2fine import distributed
+from coarse2fine.data import records
+from coarse2fine.data.convert import convert
+from coarse2fine.data.loaders import IMAGE_MEAN, IMAGE_STD, build_loader, parse_rand_augment
+from coarse2fine.distributed import Runtime
+from coarse2fine.errors import UserError
+
+BACKENDS = ("dali", "torch")
+IMG_SIZE = 32
+FULL_AUGMENT = {"rand_augment": "rand-m9-mstd0.5-inc1", "reprob": 0.25, "hflip": 0.5}
+# odd_records: 337 train records (odd) over 2 ranks with batch 13: DALI's contiguous shards hold 168 and 169
+# records, i.e. 12 and 13 full batches; the common count (12) must win on both ranks.
+ODD_TRAIN, ODD_VAL = 337, 113
+TRAIN_BATCH, TRAIN_BATCHES_PER_RANK = 13, 12
+VAL_BATCH = 8
+
+
+def make_loader(
+    records_dir, split, backend, *, runtime=None, batch_size=16, augment=None, crop_pct=1.0, seed=0, workers=0
+):
+    params = make_params(loader={"backend": backend, "workers": workers}, augment=augment or {})
+    return build_loader(
+        split,
+        records_dir,
+        img_size=IMG_SIZE,
+        batch_size=batch_size,
+        runtime=runtime or cpu_runtime(),
+        loader_cfg=params.loader,
+        augment_cfg=params.augment,
+        crop_pct=crop_pct,
+        seed=seed,
+    )
+
+
+def rank_runtime(rank: int, world_size: int) -> Runtime:
+    """A rank of a simulated world: the loaders only read rank/world/device, no process group needed."""
+    return Runtime(rank=rank, world_size=world_size, local_rank=rank, device=torch.device("cpu"))
+
+
+def epoch(loader, number: int) -> list[dict[str, torch.Tensor]]:
+    loader.set_epoch(number)
+    return list(loader)
+
+
+def indices(batches) -> list[int]:
+    return [int(i) for batch in batches for i in batch["index"]]
+
+
+def split_records(records_dir: Path, split: str) -> dict[int, dict]:
+    """record index -> the record, read with the records module (not the loaders under test)."""
+    shards = records.shard_files(records_dir, split)
+    return {record["index"]: record for path, _ in shards for record in records.read_shard(path)}
+
+
+@pytest.fixture(scope="module")
+def odd_records(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Odd record counts in both splits, val in 2 shards."""
+    params = copy.deepcopy(DIGITS_RECORDS_PARAMS)
+    params["data"].update(subset=0.25, val_shards=2)
+    params["data"]["digits"]["val_fraction"] = 0.25
+    records_dir = tmp_path_factory.mktemp("odd_records")
+    manifest = convert(make_params(**params), cpu_runtime(), records_dir)
+    counts = (manifest["splits"]["train"]["images"], manifest["splits"]["val"]["images"])
+    assert counts == (ODD_TRAIN, ODD_VAL), f"the converter's split sizes changed to {counts}: choose new params"
+    return records_dir
+
+
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_both_backends_yield_the_contract_batch(digits_records, split):
+    augment = FULL_AUGMENT if split == "train" else {}
+    structures = {}
+    for backend in BACKENDS:
+        loader = make_loader(digits_records, split, backend, batch_size=16, augment=augment)
+        assert loader.backend == backend
+        batch = next(iter(loader))
+        structures[backend] = {
+            key: (tensor.dtype, tuple(tensor.shape), tensor.device.type) for key, tensor in batch.items()
+        }
+        assert 0 <= batch["window"].min() and batch["window"][:, :2].max() < 1 and batch["window"][:, 2:].max() <= 1
+        assert set(batch["label"].tolist()) <= set(range(10))
+        assert batch["image"].abs().max() < 5  # normalised, not 0..255
+    assert structures["dali"] == structures["torch"] == {
+        "image": (torch.float32, (16, 3, IMG_SIZE, IMG_SIZE), "cpu"),
+        "label": (torch.int64, (16,), "cpu"),
+        "index": (torch.int64, (16,), "cpu"),
+        "window": (torch.float32, (16, 4), "cpu"),
+        "flip": (torch.bool, (16,), "cpu"),
+    }
+
+
+def test_both_backends_see_the_same_records_per_epoch(digits_records, odd_records):
+    """Over one epoch on 2 ranks, every record once, with the label it holds, on both backends: val with an odd
+    count (113), train where full batches take every record (434 records = 2 ranks x 31 batches x 7)."""
+    cases = {"train": (digits_records, 7), "val": (odd_records, VAL_BATCH)}
+    for split, (records_dir, batch_size) in cases.items():
+        expected = {index: record["label"] for index, record in split_records(records_dir, split).items()}
+        if split == "train":
+            assert len(expected) % (2 * batch_size) == 0, "premise: no partial batch to drop"
+        for backend in BACKENDS:
+            seen: dict[int, int] = {}
+            for rank in range(2):
+                loader = make_loader(records_dir, split, backend, runtime=rank_runtime(rank, 2), batch_size=batch_size)
+                batches = epoch(loader, 3)
+                assert len(batches) == len(loader)
+                assert sum(len(batch["index"]) for batch in batches) == loader.num_samples
+                for batch in batches:
+                    for index, label in zip(batch["index"].tolist(), batch["label"].tolist()):
+                        assert index not in seen, f"{backend} {split}: record {index} twice"
+                        seen[index] = label
+            assert seen == expected, f"{backend} {split}"
+
+
+def _unnormalised(image: torch.Tensor) -> np.ndarray:
+    """[3, S, S] normalised -> [S, S, 3] in 0..255."""
+    mean, std = torch.tensor(IMAGE_MEAN).view(3, 1, 1), torch.tensor(IMAGE_STD).view(3, 1, 1)
+    return ((image * std + mean) * 255).permute(1, 2, 0).numpy()
+
+
+def _crop_with_pil(jpeg: bytes, window, flip: bool) -> np.ndarray:
+    """The record's JPEG cropped to `window` (fractions of H, W), resized to S x S bicubic, flipped."""
+    image = Image.open(io.BytesIO(jpeg)).convert("RGB")
+    top, left, height, width = (float(v) for v in window * torch.tensor([image.height, image.width] * 2))
+    crop = image.resize((IMG_SIZE, IMG_SIZE), Image.Resampling.BICUBIC, box=(left, top, left + width, top + height))
+    if flip:
+        crop = crop.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    return np.asarray(crop, dtype=np.float32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_window_and_flip_reproduce_the_crop(digits_records, backend, split):
+    """Cropping the original JPEG with the returned window (and flipping by the flag) gives the loader's image;
+    the un-flipped or whole-image alternatives do not. RandAugment and erasing off: they are not geometric."""
+    jpegs = {index: record["image"] for index, record in split_records(digits_records, split).items()}
+    augment = {"scale": (0.2, 0.6), "hflip": 0.5}
+    # crop_pct 0.875: resize to 36, centre crop 32, so the val window is a real sub-window (1.78 px margins).
+    loader = make_loader(digits_records, split, backend, batch_size=32, augment=augment, crop_pct=0.875)
+    batch = next(iter(loader))
+    errors = {"reported": [], "flip inverted": [], "whole image": []}
+    for image, index, window, flip in zip(batch["image"], batch["index"], batch["window"], batch["flip"]):
+        jpeg, ours = jpegs[int(index)], _unnormalised(image)
+        for name, (crop_window, crop_flip) in {
+            "reported": (window, bool(flip)),
+            "flip inverted": (window, not flip),
+            "whole image": (torch.tensor([0.0, 0.0, 1.0, 1.0]), bool(flip)),
+        }.items():
+            errors[name].append(np.abs(_crop_with_pil(jpeg, crop_window, crop_flip) - ours).mean())
+    mean_error = {name: float(np.mean(values)) for name, values in errors.items()}
+    assert mean_error["reported"] < 2.0, mean_error  # on 0..255: decoder and resampler differences only
+    assert mean_error["flip inverted"] > 10 * mean_error["reported"], mean_error
+    assert mean_error["whole image"] > 10 * mean_error["reported"], mean_error
+    if split == "train":
+        assert 0 < batch["flip"].sum() < len(batch["flip"])
+    else:
+        assert not batch["flip"].any()
+        assert torch.allclose(batch["window"], torch.tensor([2 / 36, 2 / 36, 32 / 36, 32 / 36]).expand(32, 4))
+
+
+def test_both_backends_give_the_same_val_images(digits_records):
+    """Same pixels up to decoder/resampler differences; with crop_pct > 1 both pad black around the image."""
+    crops = {
+        (backend, crop_pct): next(iter(make_loader(digits_records, "val", backend, batch_size=32, crop_pct=crop_pct)))
+        for backend in BACKENDS
+        for crop_pct in (0.875, 1.15)
+    }
+    for crop_pct in (0.875, 1.15):
+        dali, torch_ = crops["dali", crop_pct], crops["torch", crop_pct]
+        assert torch.equal(dali["index"], torch_["index"]) and torch.equal(dali["window"], torch_["window"])
+    difference = (crops["dali", 0.875]["image"] - crops["torch", 0.875]["image"]).abs().mean()
+    assert difference < 0.02  # normalised units: about 1/255 of a pixel value
+    # 1.15: the 27-pixel resize sits in 32 x 32 with 2-3 pixels of padding per side (which side gets 3 differs
+    # by half a pixel between the backends; the window is the exact centre).
+    black = -torch.tensor(IMAGE_MEAN) / torch.tensor(IMAGE_STD)
+    for backend in BACKENDS:
+        image = crops[backend, 1.15]["image"]
+        for border in (image[..., :2, :], image[..., -2:, :], image[..., :, :2], image[..., :, -2:]):
+            assert torch.allclose(border, black.view(1, 3, 1, 1).expand_as(border), atol=1e-5), backend
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_same_seed_and_epoch_give_identical_batches_and_resume(digits_records, backend):
+    """Two fresh loaders agree bit for bit; epoch 1 of an uninterrupted run equals a fresh loader started at
+    epoch 1 (resume); epochs differ in order. Every random augmentation on."""
+    runtime = rank_runtime(1, 2)
+    uninterrupted = make_loader(digits_records, "train", backend, runtime=runtime, augment=FULL_AUGMENT)
+    first, second = epoch(uninterrupted, 0), epoch(uninterrupted, 1)
+    # Another worker/thread count too: the stream must not depend on it.
+    resumed = make_loader(digits_records, "train", backend, runtime=runtime, augment=FULL_AUGMENT, workers=2)
+    for expected, actual in ((second, epoch(resumed, 1)), (first, epoch(resumed, 0))):
+        assert len(expected) == len(actual)
+        for a, b in zip(expected, actual):
+            for key in a:
+                assert torch.equal(a[key], b[key]), key
+    # A new order, and a new share of the records for this rank (torch: a fresh permutation; DALI: the next shard).
+    assert indices(first) != indices(second) and set(indices(first)) != set(indices(second))
+
+
+def test_torch_backend_in_process_leaves_the_global_rngs_alone(digits_records):
+    """With workers=0 the per-sample seeding runs in the training process: its RNG streams must not move."""
+    loader = make_loader(digits_records, "train", "torch", augment=FULL_AUGMENT, batch_size=64)
+    torch.manual_seed(7), np.random.seed(7), random.seed(7)
+    expected = (torch.rand(3), np.random.rand(3), random.random())
+    torch.manual_seed(7), np.random.seed(7), random.seed(7)
+    next(iter(loader))
+    actual = (torch.rand(3), np.random.rand(3), random.random())
+    assert torch.equal(actual[0], expected[0]) and np.array_equal(actual[1], expected[1]) and actual[2] == expected[2]
+
+
+def test_rand_augment_spec_is_parsed_like_timm_and_checked():
+    spec = parse_rand_augment("rand-m9-mstd0.5-inc1")
+    assert (spec.num_ops, spec.magnitude, spec.magnitude_std, spec.increasing) == (2, 9, 0.5, True)
+    assert parse_rand_augment("rand-n3-m7").num_ops == 3 and not parse_rand_augment("rand-n3-m7").increasing
+    assert parse_rand_augment("") is None
+    for bad in ("rand-m11", "rand-m9-p0.3", "rand-m9.5", "randx-m9"):
+        with pytest.raises(UserError, match="augment.rand_augment"):
+            parse_rand_augment(bad)
+
+
+def test_a_batch_larger_than_a_ranks_share_is_a_user_error(odd_records):
+    with pytest.raises(UserError, match="batch_size 200"):
+        make_loader(odd_records, "train", "torch", runtime=rank_runtime(0, 2), batch_size=200)
+
+
+def test_sharding_under_torchrun(odd_records, tmp_path):
+    """Two real processes: val records exactly once across ranks (113, odd); train batches equal in number on both
+    ranks (12 each, although DALI's shards hold 168 and 169 records) and disjoint; for both backends."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    command = [str(torchrun), "--standalone", "--nproc_per_node=2", __file__, str(odd_records), str(tmp_path)]
+    env = {**os.environ, "DVC_NO_ANALYTICS": "1", "MLFLOW_DISABLE_TELEMETRY": "true"}
+    subprocess.run(command, check=True, timeout=300, env=env, cwd=Path(__file__).parent)
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    for backend in BACKENDS:
+        val = [rank[backend]["val"] for rank in ranks]
+        assert sorted(val[0]["indices"] + val[1]["indices"]) == list(range(ODD_VAL)), backend
+        assert [len(v["indices"]) for v in val] == [56, 57] and [v["batches"] for v in val] == [v["len"] for v in val]
+        for number in ("0", "1"):
+            train = [rank[backend]["train"][number] for rank in ranks]
+            assert [t["batch_sizes"] for t in train] == [[TRAIN_BATCH] * TRAIN_BATCHES_PER_RANK] * 2, backend
+            assert [t["len"] for t in train] == [TRAIN_BATCHES_PER_RANK] * 2
+            assert not set(train[0]["indices"]) & set(train[1]["indices"]), backend
+            assert all(len(set(t["indices"])) == TRAIN_BATCHES_PER_RANK * TRAIN_BATCH for t in train)
+        assert ranks[0][backend]["train"]["0"]["indices"] != ranks[0][backend]["train"]["1"]["indices"]
+
+
+def _rank_main(odd_records_dir: str, out_dir: str) -> None:
+    """One rank of test_sharding_under_torchrun: record what each loader gives this rank (val and train both
+    from the odd records)."""
+    with distributed.session() as runtime:
+        report = {}
+        for backend in BACKENDS:
+            val = make_loader(odd_records_dir, "val", backend, runtime=runtime, batch_size=VAL_BATCH, workers=1)
+            val_batches = epoch(val, 0)
+            train = make_loader(odd_records_dir, "train", backend, runtime=runtime, batch_size=TRAIN_BATCH, workers=1)
+            report[backend] = {
+                "val": {"indices": indices(val_batches), "batches": len(val_batches), "len": len(val)},
+                "train": {
+                    str(number): {
+                        "indices": indices(batches),
+                        "batch_sizes": [len(batch["index"]) for batch in batches],
+                        "len": len(train),
+                    }
+                    for number, batches in ((number, epoch(train, number)) for number in (0, 1))
+                },
+            }
+        Path(out_dir, f"rank{runtime.rank}.json").write_text(json.dumps(report))
+        distributed.barrier()
+
+
+if __name__ == "__main__":
+    _rank_main(*sys.argv[1:3])

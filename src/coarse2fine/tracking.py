@@ -1,0 +1,240 @@
+"""Experiment tracking: one MLflow run per stage execution plus DVCLive files for DVC.
+
+The only module that imports mlflow and dvclive. MLflow keeps the browsable history (params, per-step
+metrics, artifacts, tags) in a sqlite store; DVCLive writes plain files under the stage's metrics
+directory that dvc.yaml declares as metrics and plots:
+
+    <metrics_dir>/metrics.json               latest value of every metric + the summary (`dvc metrics show`)
+    <metrics_dir>/plots/metrics/<name>.tsv   one row per logged step (`dvc plots show`)
+
+Only rank 0 tracks; on other ranks every method is a no-op, so callers never branch on the rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from dvclive import Live
+from mlflow import MlflowClient
+from mlflow.entities import Metric, Param
+from mlflow.exceptions import MlflowException
+from mlflow.utils.mlflow_tags import MLFLOW_GIT_COMMIT
+
+from coarse2fine.config import Params, flatten
+from coarse2fine.distributed import Runtime
+
+logger = logging.getLogger(__name__)
+
+STAGE_TAG = "stage"
+DVC_EXPERIMENT_TAG = "dvc.experiment"
+
+
+def project_root() -> Path:
+    """Where mlflow.db lives: the repo DVC runs us for (DVC_ROOT, also set for queued experiments, which
+    run in a temporary copy of the repo), else the working directory."""
+    return Path(os.environ.get("DVC_ROOT") or os.getcwd()).resolve()
+
+
+def tracking_uri() -> str:
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{project_root() / 'mlflow.db'}"
+
+
+def _default_artifact_location(uri: str) -> str | None:
+    # MLflow's default artifact root for a sqlite store is ./mlruns relative to the *working directory*;
+    # keep artifacts next to the database instead, wherever the process happens to run.
+    if not uri.startswith("sqlite:///"):
+        return None  # a tracking server decides its own artifact store
+    database = Path(uri.removeprefix("sqlite:///")).resolve()
+    return (database.parent / "mlruns").as_uri()
+
+
+def _git_commit() -> str | None:
+    # Asked in the working directory, not project_root(): a queued DVC experiment runs a checkout of its
+    # own baseline commit in a temporary directory while the main repo's HEAD may have moved on.
+    try:
+        completed = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return completed.stdout.strip()
+
+
+def stage_params(params: Params, sections: Sequence[str]) -> dict[str, str]:
+    """The flattened params of the listed top-level sections, as MLflow param strings."""
+    unknown = set(sections) - set(Params.model_fields)
+    if unknown:
+        raise ValueError(f"unknown params sections {sorted(unknown)}; known: {list(Params.model_fields)}")
+    # MLflow itself truncates values over its 6000-character limit (with a warning).
+    return {key: str(value) for key, value in flatten(params).items() if key.split(".", 1)[0] in sections}
+
+
+class _FileOnlyLive(Live):
+    """DVCLive as a writer of files under its `dir`, and nothing else.
+
+    dvc.yaml declares those files as metrics and plots, so Live's repo integration has nothing to add, and
+    it has side effects: in a git repo without DVC it runs `dvc init` there, and inside `dvc exp run` it
+    `git add`s files of its dir. `_init_dvc` (dvclive 3.49, pinned) is the one place that integration starts;
+    test_tracking.py checks that nothing outside metrics_dir is touched.
+    """
+
+    def _init_dvc(self) -> None:
+        pass
+
+
+class Tracker:
+    """`with Tracker("pretrain", params, runtime, metrics_dir=..., param_sections=(...)) as tracker:`
+
+    Starts (or, given `resume_run_id`, reopens) an MLflow run named after the stage, logs the params the
+    stage reads and tags it; on leaving the block the run ends FINISHED, or FAILED if an exception escaped
+    (KILLED on Ctrl-C), and the DVCLive files are flushed either way.
+    """
+
+    def __init__(
+        self,
+        stage: str,
+        params: Params,
+        runtime: Runtime,
+        *,
+        metrics_dir: str | os.PathLike[str],
+        param_sections: Sequence[str],
+        resume_run_id: str | None = None,
+    ) -> None:
+        self.stage = stage
+        self.params = params
+        self.metrics_dir = Path(metrics_dir)
+        self.param_sections = tuple(param_sections)
+        self.resume_run_id = resume_run_id
+        self.enabled = runtime.is_main
+        self.run_id: str | None = None
+        self._client: MlflowClient | None = None
+        self._live: Live | None = None
+
+    def __enter__(self) -> Tracker:
+        if not self.enabled:
+            return self
+        # DVCLive's INFO line names a random DVC experiment it will never create (save_dvc_exp is off).
+        logging.getLogger("dvclive").setLevel(logging.WARNING)
+        uri = tracking_uri()
+        self._client = MlflowClient(tracking_uri=uri)
+        self.run_id = self._open_run(uri)
+        try:
+            # save_dvc_exp=False, dvcyaml=None, report=None: no experiments behind the user's back (that is
+            # `dvc exp run`'s job), no edits of dvc.yaml, no report files.
+            # resume=True keeps the per-step history of the interrupted run instead of wiping it.
+            self._live = _FileOnlyLive(
+                dir=str(self.metrics_dir),
+                resume=self.resume_run_id is not None,
+                report=None,
+                save_dvc_exp=False,
+                dvcyaml=None,
+            )
+        except BaseException:
+            self._client.set_terminated(self.run_id, "FAILED")
+            raise
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        if not self.enabled:
+            return
+        if exc_type is None:
+            status = "FINISHED"
+        elif issubclass(exc_type, KeyboardInterrupt):
+            status = "KILLED"
+        else:
+            status = "FAILED"
+        try:
+            self._live.end()
+        finally:
+            self._client.set_terminated(self.run_id, status)
+
+    def _open_run(self, uri: str) -> str:
+        if self.resume_run_id is not None:
+            run_id = self._reopen(self.resume_run_id, uri)
+            if run_id is not None:
+                return run_id
+        experiment_id = self._experiment_id(uri)
+        tags = {STAGE_TAG: self.stage}
+        if commit := _git_commit():
+            tags[MLFLOW_GIT_COMMIT] = commit
+        if exp_name := os.environ.get("DVC_EXP_NAME"):
+            tags[DVC_EXPERIMENT_TAG] = exp_name
+        run = self._client.create_run(experiment_id, run_name=self.stage, tags=tags)
+        self._log_params(run.info.run_id, existing={})
+        return run.info.run_id
+
+    def _reopen(self, run_id: str, uri: str) -> str | None:
+        try:
+            run = self._client.get_run(run_id)
+        except MlflowException:
+            logger.warning("MLflow run %s (from the checkpoint) is not in %s; starting a new run", run_id, uri)
+            return None
+        self._client.update_run(run_id, status="RUNNING")
+        self._log_params(run_id, existing=run.data.params)
+        return run_id
+
+    def _experiment_id(self, uri: str) -> str:
+        name = self.params.tracking.experiment
+        experiment = self._client.get_experiment_by_name(name)
+        if experiment is not None:
+            return experiment.experiment_id
+        return self._client.create_experiment(name, artifact_location=_default_artifact_location(uri))
+
+    def _log_params(self, run_id: str, existing: Mapping[str, str]) -> None:
+        current = stage_params(self.params, self.param_sections)
+        # MLflow params are immutable: a resumed run keeps the values it started with (the trainer only
+        # resumes under unchanged params, so a difference is worth a warning, not a crash).
+        for key, value in current.items():
+            if key in existing and existing[key] != value:
+                logger.warning("resumed run %s keeps %s=%s (now %s)", run_id, key, existing[key], value)
+        self._client.log_batch(run_id, params=[Param(key, value) for key, value in current.items() if key not in existing])
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        """One MLflow batch per call, and one row per metric in the DVCLive history at `step`."""
+        if not self.enabled:
+            return
+        values = _plain_numbers(metrics)
+        self._client.log_batch(self.run_id, metrics=_mlflow_metrics(values, step))
+        self._live.step = step
+        for name, value in values.items():
+            self._live.log_metric(name, value)
+        # Written every step, not only at the end, so a killed run leaves metrics.json matching the history.
+        self._live.make_summary()
+
+    def log_summary(self, metrics: Mapping[str, float]) -> None:
+        """Final numbers: MLflow metrics and keys of `metrics_dir/metrics.json` (no history rows)."""
+        if not self.enabled:
+            return
+        values = _plain_numbers(metrics)
+        self._client.log_batch(self.run_id, metrics=_mlflow_metrics(values, step=0))
+        for name, value in values.items():
+            self._live.log_metric(name, value, plot=False)
+        self._live.make_summary()
+
+    def log_artifact(self, path: str | os.PathLike[str], artifact_path: str | None = None) -> None:
+        """Copy a file (or a directory's contents) into the run's artifacts, under `artifact_path` if given."""
+        if not self.enabled:
+            return
+        if Path(path).is_dir():
+            self._client.log_artifacts(self.run_id, str(path), artifact_path)
+        else:
+            self._client.log_artifact(self.run_id, str(path), artifact_path)
+
+    def set_tag(self, key: str, value: Any) -> None:
+        if not self.enabled:
+            return
+        self._client.set_tag(self.run_id, key, str(value))
+
+
+def _plain_numbers(metrics: Mapping[str, Any]) -> dict[str, int | float]:
+    # Tensors and numpy scalars become Python numbers; ints stay ints so metrics.json shows "n": 108, not 108.0.
+    return {name: value.item() if hasattr(value, "item") else value for name, value in metrics.items()}
+
+
+def _mlflow_metrics(values: Mapping[str, int | float], step: int) -> list[Metric]:
+    now = time.time_ns() // 1_000_000  # MLflow timestamps are epoch milliseconds
+    return [Metric(name, float(value), now, step) for name, value in values.items()]

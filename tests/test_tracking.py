@@ -1,0 +1,269 @@
+"""Tracker against a real MLflow sqlite store and real DVCLive files (and, once, real `dvc repro` / `dvc exp run`)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import PROJECT_ROOT, cpu_runtime, make_params
+from mlflow import MlflowClient
+from mlflow.utils.mlflow_tags import MLFLOW_GIT_COMMIT
+
+from coarse2fine.distributed import Runtime
+from coarse2fine.tracking import DVC_EXPERIMENT_TAG, STAGE_TAG, Tracker, stage_params, tracking_uri
+
+PRETRAIN_SECTIONS = ("seed", "model", "pretrain")
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One sqlite store for the module (creating one takes seconds); tests use their own experiment."""
+    return tmp_path_factory.mktemp("mlflow") / "mlflow.db"
+
+
+@pytest.fixture
+def workdir(store: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> Path:
+    """cwd = a fresh directory; MLFLOW_TRACKING_URI = the module's store; the experiment named after the test."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{store}")
+    for name in ("DVC_ROOT", "DVC_EXP_NAME", "DVC_EXP_BASELINE_REV"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def client(store: Path) -> MlflowClient:
+    return MlflowClient(f"sqlite:///{store}")
+
+
+def params_for(request: pytest.FixtureRequest, **sections):
+    return make_params(tracking={"experiment": request.node.name}, **sections)
+
+
+def history(store: Path, run_id: str, key: str) -> list[tuple[int, float]]:
+    return [(metric.step, metric.value) for metric in client(store).get_metric_history(run_id, key)]
+
+
+def tsv_rows(path: Path) -> list[list[str]]:
+    return [line.split("\t") for line in path.read_text().splitlines()]
+
+
+def git(*args: str, cwd: Path) -> str:
+    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True).stdout.strip()
+
+
+def test_run_holds_params_metrics_history_tags_and_artifacts(workdir, store, request, monkeypatch):
+    git("init", "-q", cwd=workdir)
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "--allow-empty", "-m", "x", cwd=workdir)
+    monkeypatch.setenv("DVC_EXP_NAME", "lucky-lamb")
+    # data.root is the only free-text param: a value beyond MLflow's 6000 characters must not fail the run.
+    params = params_for(request, data={"source": "imagefolder", "root": "/" + "r" * 7000})
+    (workdir / "notes.txt").write_text("hello")
+    (workdir / "bundle").mkdir()
+    (workdir / "bundle" / "a.json").write_text("{}")
+    metrics_dir = workdir / "metrics" / "pretrain"
+
+    with Tracker("pretrain", params, cpu_runtime(), metrics_dir=metrics_dir, param_sections=(*PRETRAIN_SECTIONS, "data")) as tracker:
+        for epoch in range(3):
+            tracker.log_metrics({"train_loss": 1.0 / (epoch + 1), "val_top1": torch.tensor(10.0 * epoch)}, step=epoch)
+        tracker.log_summary({"top1": 97.5, "n": 108})
+        tracker.log_artifact(workdir / "notes.txt")
+        tracker.log_artifact(workdir / "bundle", artifact_path="extra")
+        tracker.set_tag("global_batch", 64)
+
+    run = client(store).get_run(tracker.run_id)
+    assert run.info.status == "FINISHED"
+    assert run.info.run_name == "pretrain"
+    assert client(store).get_experiment(run.info.experiment_id).name == request.node.name
+    assert run.data.tags[STAGE_TAG] == "pretrain"
+    assert run.data.tags[MLFLOW_GIT_COMMIT] == git("rev-parse", "HEAD", cwd=workdir)
+    assert run.data.tags[DVC_EXPERIMENT_TAG] == "lucky-lamb"
+    assert run.data.tags["global_batch"] == "64"
+
+    logged = run.data.params
+    assert logged.keys() == stage_params(params, (*PRETRAIN_SECTIONS, "data")).keys()
+    assert logged["seed"] == "0"
+    assert logged["pretrain.optimizer.lr_base"] == "0.016"
+    assert logged["model.layers"] == "[1, 1, 1, 1]"
+    assert logged["data.root"] == ("/" + "r" * 7000)[:6000]
+    assert not any(key.startswith(("evaluate.", "loader.", "tracking.")) for key in logged)
+
+    assert history(store, tracker.run_id, "val_top1") == [(0, 0.0), (1, 10.0), (2, 20.0)]
+    assert history(store, tracker.run_id, "train_loss") == [(0, 1.0), (1, 0.5), (2, pytest.approx(1 / 3))]
+    assert run.data.metrics["top1"] == 97.5 and run.data.metrics["n"] == 108
+
+    artifacts = client(store).list_artifacts(tracker.run_id)
+    assert sorted(item.path for item in artifacts) == ["extra", "notes.txt"]
+    assert [item.path for item in client(store).list_artifacts(tracker.run_id, "extra")] == ["extra/a.json"]
+    # Artifacts sit next to the database, not in ./mlruns of whatever directory the stage ran in.
+    assert run.info.artifact_uri.startswith((store.parent / "mlruns").as_uri())
+
+    assert tsv_rows(metrics_dir / "plots" / "metrics" / "val_top1.tsv") == [["step", "val_top1"], ["0", "0.0"], ["1", "10.0"], ["2", "20.0"]]
+    summary = json.loads((metrics_dir / "metrics.json").read_text())
+    assert summary == {"train_loss": pytest.approx(1 / 3), "val_top1": 20.0, "step": 2, "top1": 97.5, "n": 108}
+    # DVCLive wrote nothing but its files under metrics_dir: no dvc.yaml, no report, no .dvc/.
+    assert sorted(path.name for path in workdir.iterdir()) == [".git", "bundle", "metrics", "notes.txt"]
+    assert sorted(path.name for path in metrics_dir.iterdir()) == ["metrics.json", "plots"]
+
+
+def test_resume_continues_the_same_run_and_history(workdir, store, request):
+    params = params_for(request)
+    metrics_dir = workdir / "metrics"
+    with pytest.raises(RuntimeError, match="killed"):
+        with Tracker("pretrain", params, cpu_runtime(), metrics_dir=metrics_dir, param_sections=PRETRAIN_SECTIONS) as first:
+            for epoch in range(2):
+                first.log_metrics({"val_top1": float(epoch)}, step=epoch)
+            raise RuntimeError("killed")
+    assert client(store).get_run(first.run_id).info.status == "FAILED"
+
+    with Tracker(
+        "pretrain", params, cpu_runtime(), metrics_dir=metrics_dir, param_sections=PRETRAIN_SECTIONS, resume_run_id=first.run_id
+    ) as resumed:
+        for epoch in range(2, 4):
+            resumed.log_metrics({"val_top1": float(epoch)}, step=epoch)
+
+    assert resumed.run_id == first.run_id
+    experiment = client(store).get_experiment_by_name(request.node.name)
+    assert [run.info.run_id for run in client(store).search_runs([experiment.experiment_id])] == [first.run_id]
+    assert client(store).get_run(first.run_id).info.status == "FINISHED"
+    assert history(store, first.run_id, "val_top1") == [(step, float(step)) for step in range(4)]
+    rows = tsv_rows(metrics_dir / "plots" / "metrics" / "val_top1.tsv")
+    assert [row[0] for row in rows[1:]] == ["0", "1", "2", "3"]
+    assert json.loads((metrics_dir / "metrics.json").read_text()) == {"val_top1": 3.0, "step": 3}
+
+
+def test_failure_marks_the_run_failed_and_flushes_dvclive(workdir, store, request):
+    metrics_dir = workdir / "metrics"
+    with pytest.raises(ValueError, match="diverged"):
+        with Tracker("pretrain", params_for(request), cpu_runtime(), metrics_dir=metrics_dir, param_sections=PRETRAIN_SECTIONS) as tracker:
+            tracker.log_metrics({"train_loss": float("nan")}, step=0)
+            raise ValueError("diverged")
+    assert client(store).get_run(tracker.run_id).info.status == "FAILED"
+    assert json.loads((metrics_dir / "metrics.json").read_text()) == {"train_loss": "nan", "step": 0}
+
+    with pytest.raises(KeyboardInterrupt):
+        with Tracker("pretrain", params_for(request), cpu_runtime(), metrics_dir=metrics_dir, param_sections=PRETRAIN_SECTIONS) as tracker:
+            raise KeyboardInterrupt
+    assert client(store).get_run(tracker.run_id).info.status == "KILLED"
+
+
+def test_resuming_a_run_missing_from_the_store_starts_a_new_one(workdir, store, request, caplog):
+    with Tracker(
+        "pretrain", params_for(request), cpu_runtime(), metrics_dir=workdir / "m", param_sections=PRETRAIN_SECTIONS, resume_run_id="0" * 32
+    ) as tracker:
+        pass
+    assert tracker.run_id != "0" * 32
+    assert client(store).get_run(tracker.run_id).info.status == "FINISHED"
+    assert "0" * 32 in caplog.text
+
+
+def test_other_ranks_touch_nothing(workdir, request, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{workdir / 'untouched.db'}")
+    rank1 = Runtime(rank=1, world_size=2, local_rank=1, device=torch.device("cpu"))
+    with Tracker("pretrain", params_for(request), rank1, metrics_dir=workdir / "m", param_sections=PRETRAIN_SECTIONS) as tracker:
+        tracker.log_metrics({"a": 1.0}, step=0)
+        tracker.log_summary({"a": 1.0})
+        tracker.log_artifact(workdir / "missing.txt")
+        tracker.set_tag("k", "v")
+    assert tracker.run_id is None
+    assert list(workdir.iterdir()) == []
+
+
+def test_store_defaults_to_the_project_root(workdir, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    assert tracking_uri() == f"sqlite:///{workdir.resolve() / 'mlflow.db'}"
+    # DVC sets DVC_ROOT to the main repo, also for queued experiments running in a temporary copy.
+    monkeypatch.setenv("DVC_ROOT", "/somewhere/repo")
+    assert tracking_uri() == "sqlite:////somewhere/repo/mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
+    assert tracking_uri() == "http://127.0.0.1:5000"
+
+
+def test_unknown_params_section_is_a_bug():
+    with pytest.raises(ValueError, match="pretrian"):
+        stage_params(make_params(), ("pretrian",))
+
+
+STAGE_SCRIPT = """
+    import torch
+    from coarse2fine.config import load_params
+    from coarse2fine.distributed import Runtime
+    from coarse2fine.tracking import Tracker
+
+    params = load_params()
+    runtime = Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    with Tracker("pretrain", params, runtime, metrics_dir="metrics/pretrain", param_sections=("pretrain",)) as tracker:
+        for epoch in range(params.pretrain.epochs):
+            tracker.log_metrics({"val_top1": 10.0 * epoch}, step=epoch)
+        tracker.log_summary({"top1": 10.0 * epoch})
+"""
+
+DVC_YAML = """
+    stages:
+      pretrain:
+        cmd: {python} train.py
+        deps:
+          - train.py
+        params:
+          - pretrain.epochs
+        metrics:
+          - metrics/pretrain/metrics.json:
+              cache: false
+        plots:
+          - metrics/pretrain/plots/metrics:
+              x: step
+              cache: false
+"""
+
+
+@pytest.mark.slow
+def test_dvclive_inside_dvc_repro_and_exp_run_only_writes_its_files(workdir, store, request, monkeypatch):
+    """DVCLive must neither edit dvc.yaml, nor make experiments itself, nor stage files in git."""
+    monkeypatch.setenv("DVC_NO_ANALYTICS", "1")
+    monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
+    repo = workdir
+    dvc = [str(Path(sys.executable).parent / "dvc")]
+
+    def run(*command: str) -> str:
+        return subprocess.run(command, cwd=repo, check=True, capture_output=True, text=True).stdout
+
+    def experiments() -> list[str]:  # what `dvc exp ls` lists, without starting dvc (refs/exps/exec: run state)
+        refs = git("for-each-ref", "--format=%(refname)", "refs/exps", cwd=repo).split()
+        return [ref.rsplit("/", 1)[1] for ref in refs if not ref.startswith("refs/exps/exec/")]
+
+    git("init", "-q", cwd=repo)
+    run(*dvc, "init", "-q")
+    params_yaml = (PROJECT_ROOT / "params.yaml").read_text()
+    params_yaml = params_yaml.replace("epochs: 10", "epochs: 3", 1).replace("experiment: coarse2fine", f"experiment: {request.node.name}")
+    (repo / "params.yaml").write_text(params_yaml)
+    (repo / "train.py").write_text(textwrap.dedent(STAGE_SCRIPT))
+    dvc_yaml = textwrap.dedent(DVC_YAML).format(python=sys.executable)
+    (repo / "dvc.yaml").write_text(dvc_yaml)
+    git("add", "-A", cwd=repo)
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "init", cwd=repo)
+
+    run(*dvc, "repro")
+    assert (repo / "dvc.yaml").read_text() == dvc_yaml
+    assert experiments() == []
+    assert git("status", "--porcelain", "--untracked-files=all", cwd=repo).splitlines() == [
+        "?? dvc.lock", "?? metrics/pretrain/metrics.json", "?? metrics/pretrain/plots/metrics/val_top1.tsv",
+    ]
+    plots = json.loads(run(*dvc, "plots", "show", "--json"))["data"]
+    values = plots["metrics/pretrain/plots/metrics/val_top1.tsv"][0]["content"]["data"]["values"]
+    assert [(row["step"], row["val_top1"]) for row in values] == [("0", "0.0"), ("1", "10.0"), ("2", "20.0")]
+
+    git("add", "-A", cwd=repo)
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "repro", cwd=repo)
+    run(*dvc, "exp", "run", "-n", "four-epochs", "-S", "pretrain.epochs=4")
+    assert (repo / "dvc.yaml").read_text() == dvc_yaml
+    assert experiments() == ["four-epochs"]
+    assert git("diff", "--cached", "--name-only", cwd=repo) == ""  # nothing staged behind the user's back
+    assert json.loads((repo / "metrics/pretrain/metrics.json").read_text()) == {"val_top1": 30.0, "step": 3, "top1": 30.0}
+
+    mlflow = client(store)
+    runs = mlflow.search_runs([mlflow.get_experiment_by_name(request.node.name).experiment_id], order_by=["attributes.start_time"])
+    assert [(run.data.params["pretrain.epochs"], run.data.tags.get(DVC_EXPERIMENT_TAG)) for run in runs] == [("3", None), ("4", "four-epochs")]

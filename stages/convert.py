@@ -4,19 +4,33 @@ Runs as `python stages/convert.py` or under `torchrun --nproc_per_node=N` (files
 """
 
 import argparse
+import time
 from pathlib import Path
 
 from coarse2fine import cli, distributed
 from coarse2fine.config import Params
-from coarse2fine.data.convert import convert
+from coarse2fine.data import records
+from coarse2fine.data.convert import convert, totals
+from coarse2fine.tracking import Tracker
+
+PARAM_SECTIONS = ("seed", "data")
 
 
 def main(params: Params, args: argparse.Namespace) -> None:
+    out = Path(args.out)
     with distributed.session() as runtime:
-        convert(params, runtime, Path(args.out))
+        with Tracker("convert", params, runtime, metrics_dir=Path(args.metrics), param_sections=PARAM_SECTIONS) as tracker:
+            started = time.perf_counter()
+            manifest = convert(params, runtime, out)
+            seconds = time.perf_counter() - started
+            total = totals(manifest)
+            tracker.log_summary({**total, "seconds": seconds, "images_per_second": total["images"] / seconds})
+            for name in (records.MANIFEST_FILE, records.CLASSES_FILE):
+                tracker.log_artifact(out / name)
 
 
 if __name__ == "__main__":
     parser = cli.stage_parser(__doc__.splitlines()[0])
     parser.add_argument("--out", default="data/records", help="records directory (default: data/records)")
+    parser.add_argument("--metrics", default="metrics/convert", help="metrics directory (default: metrics/convert)")
     cli.run(main, parser)

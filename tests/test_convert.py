@@ -102,9 +102,14 @@ def run_stage(params: dict, params_path: Path, out: Path, nproc: int = 1) -> sub
     """Start stages/convert.py (under torchrun when nproc > 1) on `params` written to `params_path`."""
     params_path.write_text(yaml.safe_dump(params, allow_unicode=True), encoding="utf-8")
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    command = [*(torchrun if nproc > 1 else [sys.executable]), str(STAGE), "--params", str(params_path), "--out", str(out)]
+    metrics = out.parent / f"{out.name}-metrics"
+    command = [
+        *(torchrun if nproc > 1 else [sys.executable]), str(STAGE),
+        "--params", str(params_path), "--out", str(out), "--metrics", str(metrics),
+    ]
+    # Run where the outputs go: the MLflow store (mlflow.db, mlruns/) lands there, not in the project.
     return subprocess.Popen(
-        command, cwd=PROJECT_ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        command, cwd=out.parent, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
 
 

@@ -117,8 +117,10 @@ class Tracker:
     def __enter__(self) -> Tracker:
         if not self.enabled:
             return self
-        # DVCLive's INFO line names a random DVC experiment it will never create (save_dvc_exp is off).
-        logging.getLogger("dvclive").setLevel(logging.WARNING)
+        # DVCLive's INFO line names a random DVC experiment it will never create (save_dvc_exp is off);
+        # MLflow's and alembic's INFO lines on creating a store would bury a stage's own messages.
+        for name in ("dvclive", "mlflow", "alembic"):
+            logging.getLogger(name).setLevel(logging.WARNING)
         uri = tracking_uri()
         self._client = MlflowClient(tracking_uri=uri)
         self.run_id = self._open_run(uri)

@@ -1,0 +1,132 @@
+"""VOLO models: building them from `config.Model`, the training forward, and the final model file.
+
+Knows nothing of data or tracking. timm's VOLO does the work; this module only fixes the two places where
+using it naively goes wrong (see `TrainForward`) and gives the model file one documented format.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, NamedTuple, Sequence
+
+import timm
+import torch
+from timm.models.volo import VOLO
+from torch import nn
+
+from coarse2fine.config import CUSTOM_MODEL, Model, flatten
+from coarse2fine.errors import UserError
+
+
+def build_model(model_cfg: Model, num_classes: int, img_size: int) -> VOLO:
+    """A randomly initialised VOLO for `img_size` x `img_size` inputs (never downloads weights)."""
+    if model_cfg.name == CUSTOM_MODEL:
+        return VOLO(
+            layers=list(model_cfg.layers),
+            embed_dims=list(model_cfg.embed_dims),
+            num_heads=list(model_cfg.num_heads),
+            mlp_ratio=model_cfg.mlp_ratio,
+            patch_size=model_cfg.patch_size,
+            img_size=img_size,
+            num_classes=num_classes,
+            drop_path_rate=model_cfg.drop_path,
+        )
+    return timm.create_model(
+        model_cfg.name,
+        pretrained=False,
+        num_classes=num_classes,
+        drop_path_rate=model_cfg.drop_path,
+        img_size=img_size,
+    )
+
+
+class TrainOutput(NamedTuple):
+    cls_logits: torch.Tensor  # [B, C]: head(class token)
+    aux_logits: torch.Tensor  # [B, N, C]: one prediction per token (token labeling's dense targets)
+
+    def merged(self) -> torch.Tensor:
+        """[B, C]: exactly what `model(x)` returns at inference (class logits + 0.5 x best token logits)."""
+        return self.cls_logits + 0.5 * self.aux_logits.amax(dim=1)
+
+
+class TrainForward(nn.Module):
+    """The training forward of a VOLO, as a module so DDP can wrap it.
+
+    timm's `forward_train` returns the class token's pre-logits (the caller must apply `head_drop` and
+    `head`) plus the per-token logits. Calling `ddp.module.forward_train(x)` would bypass DDP's forward,
+    and gradients would never be averaged across ranks; wrapping this module in DDP keeps them in sync.
+    """
+
+    def __init__(self, model: VOLO):
+        super().__init__()
+        self.model = model
+
+    def forward(self, images: torch.Tensor) -> TrainOutput:
+        # The third item is the MixToken box: (0, 0, 0, 0) while the model has use_mix_token off.
+        cls_features, aux_logits, _ = self.model.forward_train(images)
+        cls_logits = self.model.head(self.model.head_drop(cls_features))
+        return TrainOutput(cls_logits, aux_logits)
+
+
+MODEL_FILE_KEYS = ("model", "model_cfg", "img_size", "classes", "stage")
+
+
+def save_model_file(
+    path: str | Path, model: VOLO, *, model_cfg: Model, img_size: int, classes: Sequence[str], stage: str
+) -> None:
+    """Write the final model file (a plain dict, loadable with weights_only=True) atomically."""
+    payload = {
+        "model": model.state_dict(),
+        "model_cfg": flatten(model_cfg),  # tuples as lists
+        "img_size": img_size,
+        "classes": list(classes),
+        "stage": stage,
+    }
+    atomic_save(payload, path)
+
+
+def load_model_file(path: str | Path, device: torch.device | str = "cpu") -> tuple[VOLO, dict[str, Any]]:
+    """The model (in eval mode, on `device`) and the file's other fields; a missing/corrupt file is a UserError."""
+    payload = load_file(path, "model file", device)
+    if not isinstance(payload, dict) or not set(MODEL_FILE_KEYS) <= payload.keys():
+        raise UserError(f"{path}: not a model file (expected the keys {', '.join(MODEL_FILE_KEYS)})")
+    info = {key: value for key, value in payload.items() if key != "model"}
+    try:
+        model_cfg = Model.model_validate(info["model_cfg"], strict=False)  # lists back to tuples
+        model = build_model(model_cfg, len(info["classes"]), info["img_size"])
+        model.load_state_dict(payload["model"])
+    except (ValueError, RuntimeError) as error:  # a bad model_cfg, or weights that do not fit it
+        raise UserError(f"{path}: inconsistent model file: {_first_line(error)}") from None
+    return model.to(device).eval(), info
+
+
+def atomic_save(obj: Any, path: str | Path) -> None:
+    """torch.save to a temporary file beside `path`, then rename: a crash never leaves a half-written file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(temp, "wb") as file:
+            torch.save(obj, file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temp, path)
+    finally:
+        temp.unlink(missing_ok=True)
+
+
+def load_file(path: str | Path, what: str, device: torch.device | str = "cpu") -> Any:
+    """torch.load(weights_only=True) of a file the user handed us; any failure is a UserError naming it."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path}: {what} not found")
+    try:
+        return torch.load(path, map_location=device, weights_only=True)
+    except Exception as error:  # torch raises KeyError, EOFError, RuntimeError, UnpicklingError... for bad files
+        raise UserError(f"{path}: not a readable {what} ({type(error).__name__}: {_first_line(error)})") from None
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else "no details"

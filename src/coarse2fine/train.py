@@ -1,0 +1,330 @@
+"""The one training loop, shared by every training stage (pre-training now, fine-tuning later).
+
+Per optimizer update: `accum_steps` micro-batches through DDP (gradients all-reduced only on the last one),
+optional clipping, the optimizer step, the per-update LR schedule and the EMA. Per epoch: validation,
+metrics, and a checkpoint that makes a killed run resumable with bit-identical results on CPU.
+The objective is label-smoothed cross-entropy on the ground truth, applied to the logits inference uses.
+
+Checkpoint (`<checkpoint_dir>/last.pt`, rewritten atomically after every epoch, loadable with
+`torch.load(weights_only=True)`):
+
+    epoch      epochs completed = the next epoch to run; also the loaders' whole state, since their
+               stream is a function of (seed, epoch, rank, world)
+    updates    optimizer updates so far (the scheduler's and the EMA's clock)
+    model, optimizer, scheduler, scaler, ema    state dicts (ema: None when off)
+    rng        one entry per rank: torch / numpy / random (/ cuda) generator states
+    run_id     the MLflow run, reopened on resume
+    metrics    the last epoch's metrics (the final summary, should the run die right after the last epoch)
+    inputs     the params the stage reads, the world size and the data digest: a checkpoint written under
+               other inputs is ignored, not resumed, so the outputs stay a function of params and data
+               (DVC keeps the persistent checkpoint dir across reruns caused by a changed param)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+import time
+from pathlib import Path
+from typing import Any, Iterator, Protocol, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from timm.optim import create_optimizer_v2
+from timm.scheduler import CosineLRScheduler
+from timm.models.volo import VOLO
+from timm.utils import ModelEmaV3, distribute_bn
+from torch.nn.parallel import DistributedDataParallel
+from tqdm import tqdm
+
+from coarse2fine import config, distributed, models
+from coarse2fine.distributed import Runtime
+from coarse2fine.errors import UserError
+from coarse2fine.evaluate import evaluate
+from coarse2fine.tracking import Tracker, stage_params
+
+CHECKPOINT_FILE = "last.pt"
+
+
+class Loader(Protocol):
+    """What the Trainer needs of `data.loaders.build_loader`'s result (see docs/contracts.md)."""
+
+    def set_epoch(self, epoch: int) -> None: ...
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]: ...
+    def __len__(self) -> int: ...
+
+
+def seed_everything(seed: int, runtime: Runtime) -> None:
+    """Seed torch, numpy and random with seed + rank: ranks draw different drop-path masks, reproducibly."""
+    seed += runtime.rank
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def build_optimizer(model: VOLO, cfg: config.Optimizer, lr: float) -> torch.optim.Optimizer:
+    # timm exempts 1-D params (norms, biases) and model.no_weight_decay() (pos_embed, cls_token) from weight
+    # decay, so `model` must be the VOLO itself: through a wrapper the names would not match.
+    betas = {} if cfg.name == "sgd" else {"betas": cfg.betas}
+    return create_optimizer_v2(
+        model, opt=cfg.name, lr=lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum, **betas
+    )
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: config.Train, updates_per_epoch: int) -> CosineLRScheduler:
+    """Linear warm-up then cosine decay to min_lr, stepped per optimizer update (not per epoch)."""
+    return CosineLRScheduler(
+        optimizer,
+        t_initial=cfg.epochs * updates_per_epoch,
+        warmup_t=round(cfg.schedule.warmup_epochs * updates_per_epoch),
+        warmup_lr_init=cfg.schedule.warmup_lr,
+        lr_min=cfg.schedule.min_lr,
+        t_in_epochs=False,
+    )
+
+
+class Trainer:
+    """`Trainer(...).fit()` trains `model` for `cfg.epochs`, resuming from the checkpoint if there is one.
+
+    Seed first (`seed_everything`), then build the model, so that a fresh run is reproducible.
+    """
+
+    def __init__(
+        self,
+        *,
+        stage: str,
+        params: config.Params,
+        cfg: config.Train,
+        model: VOLO,
+        classes: Sequence[str],
+        train_loader: Loader,
+        val_loader: Loader,
+        runtime: Runtime,
+        param_sections: Sequence[str],
+        data_digest: str,
+        checkpoint_dir: Path,
+        model_file: Path,
+        metrics_dir: Path,
+    ):
+        self.stage, self.params, self.cfg, self.runtime = stage, params, cfg, runtime
+        self.classes = list(classes)
+        self.train_loader, self.val_loader = train_loader, val_loader
+        self.param_sections = tuple(param_sections)
+        self.checkpoint_path = Path(checkpoint_dir) / CHECKPOINT_FILE
+        self.model_file, self.metrics_dir = Path(model_file), Path(metrics_dir)
+
+        self.model = model.to(runtime.device)
+        train_forward = models.TrainForward(self.model)
+        if dist.is_initialized():
+            device_ids = [runtime.device.index] if runtime.is_cuda else None  # CPU modules must get None
+            self.train_forward = DistributedDataParallel(train_forward, device_ids=device_ids)
+        else:
+            self.train_forward = train_forward
+
+        self.global_batch = cfg.batch_size * cfg.accum_steps * runtime.world_size
+        self.lr = config.scaled_lr(cfg.optimizer.lr_base, self.global_batch)
+        self.optimizer = build_optimizer(self.model, cfg.optimizer, self.lr)
+        self.updates_per_epoch = math.ceil(len(train_loader) / cfg.accum_steps)
+        self.scheduler = build_scheduler(self.optimizer, cfg, self.updates_per_epoch)
+        self.criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
+        self.autocast_dtype = runtime.autocast_dtype(cfg.precision)
+        # Only fp16 needs loss scaling; a disabled scaler passes everything straight through.
+        self.scaler = torch.amp.GradScaler(runtime.device.type, enabled=self.autocast_dtype == torch.float16)
+        self.ema = ModelEmaV3(self.model, decay=cfg.ema.decay) if cfg.ema.enabled else None
+        self.updates = 0
+        self.start_epoch = 0
+        # What the run's outcome depends on besides the code: a checkpoint written under anything else is stale.
+        self.run_inputs = {
+            **stage_params(params, self.param_sections),
+            "world_size": str(runtime.world_size),
+            "data_digest": data_digest,
+        }
+
+    # ---------------------------------------------------------------------------------------------- the loop
+
+    def fit(self) -> dict[str, float]:
+        """Train the remaining epochs; write the final model file and metrics; return the last epoch's metrics."""
+        checkpoint = self.load_checkpoint()
+        run_id = checkpoint["run_id"] if checkpoint else None
+        metrics = checkpoint["metrics"] if checkpoint else {}
+        with Tracker(
+            self.stage, self.params, self.runtime,
+            metrics_dir=self.metrics_dir, param_sections=self.param_sections, resume_run_id=run_id,
+        ) as tracker:
+            cfg, world = self.cfg, self.runtime.world_size
+            self._print(
+                f"lr {self.lr:.4g} = lr_base {cfg.optimizer.lr_base:g} x global batch {self.global_batch} / 1024 "
+                f"({cfg.batch_size} per device x {cfg.accum_steps} accumulated x {world} ranks)"
+            )
+            tracker.set_tag("effective_lr", self.lr)
+            tracker.set_tag("global_batch", self.global_batch)
+            for epoch in range(self.start_epoch, self.cfg.epochs):
+                metrics = self._train_epoch(epoch) | self._validate()
+                tracker.log_metrics(metrics, step=epoch)
+                self._print(
+                    f"epoch {epoch + 1}/{self.cfg.epochs}: train loss {metrics['train_loss']:.4f}, "
+                    f"val top-1 {metrics['val_top1']:.2f} % top-5 {metrics['val_top5']:.2f} %, lr {metrics['lr']:.3g}, "
+                    f"{metrics['train_img_per_s']:.0f} img/s, {metrics['epoch_seconds']:.1f} s"
+                )
+                self.save_checkpoint(epoch + 1, metrics, tracker.run_id)
+            if self.runtime.is_main:
+                models.save_model_file(
+                    self.model_file, self.eval_model,
+                    model_cfg=self.params.model, img_size=self.cfg.img_size, classes=self.classes, stage=self.stage,
+                )
+            tracker.log_summary({"top1": metrics["val_top1"], "top5": metrics["val_top5"]})
+        return metrics
+
+    @property
+    def eval_model(self) -> VOLO:
+        """What is validated and saved: the EMA weights when EMA is on."""
+        return self.ema.module if self.ema else self.model
+
+    def _train_epoch(self, epoch: int) -> dict[str, float]:
+        self.train_loader.set_epoch(epoch)
+        self.train_forward.train()
+        num_batches = len(self.train_loader)
+        loss_sum = torch.zeros((), device=self.runtime.device)
+        samples = 0
+        start = time.perf_counter()
+        batches = tqdm(
+            self.train_loader, total=num_batches, desc=f"{self.stage} epoch {epoch + 1}/{self.cfg.epochs}",
+            disable=not self.runtime.is_main, leave=False,
+        )
+        for index, batch in enumerate(batches):
+            # An update averages `accum_steps` micro-batches; the epoch's last one may get fewer.
+            first = index - index % self.cfg.accum_steps
+            micro_steps = min(self.cfg.accum_steps, num_batches - first)
+            is_last_micro_step = index == first + micro_steps - 1
+            loss = self.backward(batch, micro_steps, sync=is_last_micro_step)
+            if is_last_micro_step:
+                self.optimizer_step()
+            batch_size = len(batch["label"])
+            loss_sum += loss * batch_size
+            samples += batch_size
+            batches.set_postfix(loss=f"{loss.item():.3f}", lr=f"{self._current_lr():.2e}", refresh=False)
+        seconds = time.perf_counter() - start
+        if dist.is_initialized():
+            # DDP gives every forward rank 0's BatchNorm statistics, but each rank's last forward updated its
+            # own: average them (as timm's train.py does), so that every rank validates the same model.
+            for module in (self.model, self.ema.module) if self.ema else (self.model,):
+                distribute_bn(module, self.runtime.world_size, reduce=True)
+        totals = distributed.all_reduce_sum(torch.stack([loss_sum, loss_sum.new_tensor(float(samples))]))
+        return {
+            "train_loss": (totals[0] / totals[1]).item(),
+            "lr": self._current_lr(),
+            "train_img_per_s": totals[1].item() / seconds,
+            "epoch_seconds": seconds,
+        }
+
+    def backward(self, batch: dict[str, torch.Tensor], micro_steps: int, sync: bool) -> torch.Tensor:
+        """Accumulate the gradient of one micro-batch (1/micro_steps of the update); returns its detached loss.
+
+        Without `sync`, DDP skips the all-reduce (no_sync): the gradients are only averaged across ranks
+        once, on the update's last micro-batch.
+        """
+        skip_sync = not sync and isinstance(self.train_forward, DistributedDataParallel)
+        with self.train_forward.no_sync() if skip_sync else contextlib.nullcontext():
+            dtype = self.autocast_dtype
+            with torch.autocast(self.runtime.device.type, dtype=dtype, enabled=dtype is not None):
+                output = self.train_forward(batch["image"])
+                # Ground-truth objective on the logits inference uses (model(x) = class + 0.5 x best token),
+                # which also gives the aux head a gradient, as DDP requires of every parameter.
+                loss = self.criterion(output.merged(), batch["label"])
+            self.scaler.scale(loss / micro_steps).backward()
+        return loss.detach()
+
+    def optimizer_step(self) -> None:
+        if self.cfg.clip_grad > 0:
+            self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the fp16-scaled ones
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.clip_grad)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.updates += 1
+        self.scheduler.step_update(self.updates)
+        if self.ema:
+            self.ema.update(self.model, step=self.updates)
+
+    def _validate(self) -> dict[str, float]:
+        result = evaluate(self.eval_model, self.val_loader, self.runtime, len(self.classes), self.cfg.precision)
+        return {"val_top1": result.top1, "val_top5": result.top5, "val_loss": result.loss}
+
+    def _current_lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def _print(self, message: str) -> None:
+        if self.runtime.is_main:
+            print(f"{self.stage}: {message}", flush=True)
+
+    # ------------------------------------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(self, epochs_done: int, metrics: dict[str, float], run_id: str | None) -> None:
+        rng = distributed.all_gather_objects(_rng_state(self.runtime))  # a collective: every rank calls it
+        if not self.runtime.is_main:
+            return
+        models.atomic_save(
+            {
+                "epoch": epochs_done,
+                "updates": self.updates,
+                "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "scaler": self.scaler.state_dict(),
+                "ema": self.ema.module.state_dict() if self.ema else None,
+                "rng": rng,
+                "run_id": run_id,
+                "metrics": metrics,
+                "inputs": self.run_inputs,
+            },
+            self.checkpoint_path,
+        )
+
+    def load_checkpoint(self) -> dict[str, Any] | None:
+        """Restore everything from the checkpoint, if there is one written under the same params."""
+        if not self.checkpoint_path.exists():
+            return None
+        # CPU first: RNG states must stay CPU tensors; load_state_dict moves the rest where it belongs.
+        try:
+            checkpoint = models.load_file(self.checkpoint_path, "checkpoint")
+        except UserError as error:
+            raise UserError(f"{error}; delete it to start afresh") from None
+        saved_inputs = checkpoint.get("inputs", {})
+        changed = sorted(key for key in self.run_inputs.keys() | saved_inputs.keys()
+                         if self.run_inputs.get(key) != saved_inputs.get(key))
+        if changed:
+            self._print(f"ignoring {self.checkpoint_path}, written under other {', '.join(changed)}: starting afresh")
+            return None
+        self.model.load_state_dict(checkpoint["model"])
+        self.optimizer.load_state_dict(checkpoint["optimizer"])
+        self.scheduler.load_state_dict(checkpoint["scheduler"])
+        self.scaler.load_state_dict(checkpoint["scaler"])
+        if self.ema:
+            self.ema.module.load_state_dict(checkpoint["ema"])
+        _set_rng_state(checkpoint["rng"][self.runtime.rank])
+        self.updates = checkpoint["updates"]
+        self.start_epoch = checkpoint["epoch"]
+        self._print(f"resumed from epoch {self.start_epoch} ({self.checkpoint_path})")
+        return checkpoint
+
+
+def _rng_state(runtime: Runtime) -> dict[str, Any]:
+    """This process's generator states as tensors and plain types (what weights_only loading accepts)."""
+    name, keys, position, has_gauss, cached_gaussian = np.random.get_state()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state(runtime.device) if runtime.is_cuda else None,
+        "numpy": (name, torch.from_numpy(keys.astype(np.int64)), position, has_gauss, cached_gaussian),
+        "random": random.getstate(),
+    }
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None:
+        torch.cuda.set_rng_state(state["cuda"])
+    name, keys, position, has_gauss, cached_gaussian = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), position, has_gauss, cached_gaussian))
+    random.setstate(state["random"])

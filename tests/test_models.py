@@ -1,0 +1,93 @@
+"""models.py: building VOLOs, the training forward, and the final model file."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_params
+
+from coarse2fine import models
+from coarse2fine.errors import UserError
+
+
+def tiny_model(num_classes: int = 10, img_size: int = 32, **model_cfg):
+    return models.build_model(make_params(model=model_cfg).model, num_classes, img_size)
+
+
+def test_volo_custom_follows_the_config():
+    model = tiny_model(num_classes=7, img_size=64, embed_dims=[32, 64, 64, 64], num_heads=[1, 2, 2, 2], patch_size=4)
+    # Stem stride 2 x patch 4: a 64 px image is an 8x8 grid of tokens, the pos_embed grid (NHWC).
+    assert model.pos_embed.shape == (1, 8, 8, 64)
+    assert model.head.out_features == 7
+    model.eval()
+    assert model(torch.randn(3, 3, 64, 64)).shape == (3, 7)
+
+
+def test_named_volo_is_timms_architecture_with_our_head_and_size():
+    model = models.build_model(make_params(model={"name": "volo_d1_224", "drop_path": 0.1}).model, 10, 224)
+    # D1: 4+4+8+2 blocks, dims 192/384; 26.6 M parameters with the 1000-class heads, 25.9 M with 10 classes.
+    assert sum(p.numel() for p in model.parameters()) == 25_869_740
+    assert model.pos_embed.shape == (1, 14, 14, 384)
+    assert max(module.drop_prob for module in model.modules() if hasattr(module, "drop_prob")) == pytest.approx(0.1)
+    model.eval()
+    with torch.no_grad():
+        assert model(torch.randn(1, 3, 224, 224)).shape == (1, 10)
+
+
+def test_train_forward_gives_class_and_token_logits_matching_inference():
+    torch.manual_seed(0)
+    model = tiny_model()
+    forward = models.TrainForward(model).train()
+    # forward_train only runs in training mode; freeze the stem's BatchNorm statistics so both paths
+    # compute the same function.
+    model.patch_embed.eval()
+    images = torch.randn(4, 3, 32, 32)
+    output = forward(images)
+    assert output.cls_logits.shape == (4, 10)
+    assert output.aux_logits.shape == (4, 4, 10)  # 2x2 tokens
+    torch.testing.assert_close(output.merged(), model(images))
+
+
+def test_model_file_round_trip(tmp_path):
+    torch.manual_seed(0)
+    model = tiny_model(num_classes=3).eval()
+    params = make_params()
+    path = tmp_path / "out" / "model.pt"
+    models.save_model_file(path, model, model_cfg=params.model, img_size=32, classes=["a", "b", "c"], stage="pretrain")
+
+    payload = torch.load(path, weights_only=True)
+    assert payload["model_cfg"]["layers"] == [1, 1, 1, 1]
+    assert (payload["img_size"], payload["classes"], payload["stage"]) == (32, ["a", "b", "c"], "pretrain")
+
+    loaded, info = models.load_model_file(path)
+    assert not loaded.training
+    assert info == {key: payload[key] for key in models.MODEL_FILE_KEYS if key != "model"}
+    images = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(images), model(images), rtol=0, atol=0)
+    assert [p.name for p in path.parent.iterdir()] == ["model.pt"]  # no temporary left behind
+
+
+@pytest.mark.parametrize("content", [None, b"", b"not a torch file", "truncated", "not a model dict"])
+def test_unreadable_model_files_are_user_errors_naming_the_file(tmp_path, content):
+    path = tmp_path / "model.pt"
+    if content == "truncated":
+        models.save_model_file(
+            path, tiny_model(), model_cfg=make_params().model, img_size=32, classes=list("0123456789"), stage="x"
+        )
+        path.write_bytes(path.read_bytes()[:1000])
+    elif content == "not a model dict":
+        torch.save({"weights": torch.ones(2)}, path)
+    elif content is not None:
+        path.write_bytes(content)
+    with pytest.raises(UserError, match=str(path)):
+        models.load_model_file(path)
+
+
+def test_atomic_save_leaves_the_old_file_when_writing_fails(tmp_path):
+    path = tmp_path / "last.pt"
+    models.atomic_save({"epoch": 1}, path)
+    with pytest.raises(Exception):
+        models.atomic_save({"epoch": 2, "bad": lambda: None}, path)  # lambdas cannot be pickled
+    assert torch.load(path, weights_only=True) == {"epoch": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["last.pt"]

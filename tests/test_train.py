@@ -1,0 +1,314 @@
+"""The Trainer: LR scaling and schedule, weight-decay groups, gradient accumulation, checkpoints; DDP keeping two
+real ranks identical; a SIGKILLed pretrain stage resuming to exactly the uninterrupted result; and that it learns.
+
+Run as a script (`torchrun --nproc_per_node=2 tests/test_train.py RECORDS OUT`), this file is the per-rank
+program of `test_ddp_ranks_end_with_identical_weights`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from conftest import PROJECT_ROOT, cpu_runtime, make_params
+from timm.optim import Lamb
+
+from coarse2fine import distributed, models, train
+from coarse2fine.data import records
+from coarse2fine.data.loaders import build_loader
+from coarse2fine.distributed import Runtime
+from coarse2fine.evaluate import evaluate
+
+NUM_CLASSES = 10
+ENV = {**os.environ, "DVC_NO_ANALYTICS": "1", "MLFLOW_DISABLE_TELEMETRY": "true"}
+# Learns the 434 training digits of the `digits_records` fixture: 10 epochs of 13 updates.
+LEARNING_PRETRAIN = {"epochs": 10, "batch_size": 32, "optimizer": {"lr_base": 3.2e-2}}
+# Per-epoch metrics that measure the machine, not the training: they differ between any two runs.
+TIMING_METRICS = {"train_img_per_s", "epoch_seconds"}
+
+
+class ListLoader:
+    """The loader interface over fixed batches (the schedule only needs its length)."""
+
+    def __init__(self, batches: list):
+        self.batches = batches
+
+    def set_epoch(self, epoch: int) -> None:
+        pass
+
+    def __iter__(self):
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+def random_batch(size: int, seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    images = torch.randn(size, 3, 32, 32, generator=generator)
+    return {"image": images, "label": torch.randint(0, NUM_CLASSES, (size,), generator=generator)}
+
+
+def make_trainer(
+    tmp_path: Path, *, runtime: Runtime | None = None, batches: int = 10, model_seed: int = 0, **pretrain
+) -> train.Trainer:
+    params = make_params(pretrain=pretrain)
+    torch.manual_seed(model_seed)
+    model = models.build_model(params.model, NUM_CLASSES, params.pretrain.img_size)
+    loader = ListLoader([None] * batches)
+    return train.Trainer(
+        stage="pretrain", params=params, cfg=params.pretrain, model=model, classes=[str(i) for i in range(NUM_CLASSES)],
+        train_loader=loader, val_loader=loader, runtime=runtime or cpu_runtime(),
+        param_sections=("seed", "model", "pretrain"), data_digest="digits",
+        checkpoint_dir=tmp_path / "ckpt", model_file=tmp_path / "model" / "model.pt", metrics_dir=tmp_path / "metrics",
+    )
+
+
+# ------------------------------------------------------------------------------------------------ optimisation
+
+
+def test_lr_is_scaled_by_the_global_batch(tmp_path):
+    four_ranks = Runtime(rank=0, world_size=4, local_rank=0, device=torch.device("cpu"))
+    trainer = make_trainer(tmp_path, runtime=four_ranks, batch_size=16, accum_steps=2, optimizer={"lr_base": 4e-3})
+    assert trainer.global_batch == 16 * 2 * 4
+    assert trainer.lr == pytest.approx(4e-3 * 128 / 1024)
+
+
+def test_schedule_warms_up_then_decays_per_update(tmp_path):
+    # 10 batches / accum 2 = 5 updates per epoch; 4 epochs = 20 updates, the first 5 (one epoch) warming up.
+    schedule = {"warmup_epochs": 1, "warmup_lr": 1e-6, "min_lr": 1e-5}
+    trainer = make_trainer(tmp_path, batches=10, accum_steps=2, epochs=4, schedule=schedule)
+    peak, warmup_lr, min_lr = trainer.lr, 1e-6, 1e-5
+    assert trainer.updates_per_epoch == 5
+
+    def cosine(t: int) -> float:
+        return min_lr + 0.5 * (peak - min_lr) * (1 + math.cos(math.pi * t / 20))
+
+    expected = {0: warmup_lr, 2: warmup_lr + 2 * (peak - warmup_lr) / 5, 5: cosine(5), 10: cosine(10), 20: min_lr}
+    seen = {}
+    for update in range(21):
+        if update:
+            trainer.optimizer_step()  # no gradients: the parameters stay, the clock advances
+        seen[update] = [group["lr"] for group in trainer.optimizer.param_groups]
+    for update, lr in expected.items():
+        assert seen[update] == pytest.approx([lr] * len(trainer.optimizer.param_groups), rel=1e-9), update
+
+
+def test_no_weight_decay_on_1d_params_pos_embed_and_cls_token(tmp_path):
+    trainer = make_trainer(tmp_path, optimizer={"weight_decay": 0.05})
+    assert isinstance(trainer.optimizer, torch.optim.AdamW)
+    names = {id(param): name for name, param in trainer.model.named_parameters()}
+    decay = {group["weight_decay"]: {names[id(p)] for p in group["params"]} for group in trainer.optimizer.param_groups}
+    assert set(decay) == {0.0, 0.05}
+    assert decay[0.0].isdisjoint(decay[0.05]) and decay[0.0] | decay[0.05] == set(names.values())
+    assert {"pos_embed", "cls_token"} <= decay[0.0]  # 4-D and 3-D: exempt by the model's no_weight_decay()
+    one_d = {name for name, param in trainer.model.named_parameters() if param.ndim == 1}
+    assert decay[0.0] - {"pos_embed", "cls_token"} == one_d
+    assert "head.weight" in decay[0.05] and "aux_head.weight" in decay[0.05]
+
+
+@pytest.mark.parametrize("name, optimizer_class", [("lamb", Lamb), ("sgd", torch.optim.SGD)])
+def test_optimizer_by_name(tmp_path, name, optimizer_class):
+    trainer = make_trainer(tmp_path, optimizer={"name": name})
+    assert type(trainer.optimizer) is optimizer_class
+
+
+def test_accumulated_micro_batches_give_the_big_batch_gradient(tmp_path):
+    big = random_batch(16, seed=1)
+    halves = [{key: value[part] for key, value in big.items()} for part in (slice(0, 8), slice(8, 16))]
+
+    def gradients(trainer: train.Trainer, micro_batches: list[dict]) -> dict[str, torch.Tensor]:
+        trainer.train_forward.train()
+        # BatchNorm (VOLO's stem) normalises each micro-batch by its own statistics, the one way accumulation
+        # can never equal a big batch; with frozen statistics it must match exactly.
+        trainer.model.patch_embed.eval()
+        for index, batch in enumerate(micro_batches):
+            trainer.backward(batch, micro_steps=len(micro_batches), sync=index == len(micro_batches) - 1)
+        return {name: param.grad for name, param in trainer.model.named_parameters()}
+
+    accumulated = gradients(make_trainer(tmp_path, batch_size=8, accum_steps=2), halves)
+    whole = gradients(make_trainer(tmp_path, batch_size=16, accum_steps=1), [big])
+    assert all(grad is not None and grad.abs().sum() > 0 for grad in whole.values())
+    torch.testing.assert_close(accumulated, whole, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_reduced_precision_updates_with_clipping(tmp_path, precision):
+    trainer = make_trainer(tmp_path, precision=precision, clip_grad=1.0)
+    assert trainer.scaler.is_enabled() == (precision == "fp16")  # loss scaling only where fp16 needs it
+    before = {name: param.clone() for name, param in trainer.model.named_parameters()}
+    loss = trainer.backward(random_batch(8, seed=0), micro_steps=1, sync=True)
+    trainer.optimizer_step()
+    assert torch.isfinite(loss)
+    after = dict(trainer.model.named_parameters())
+    assert all(torch.isfinite(param).all() for param in after.values())
+    assert not torch.equal(after["head.weight"], before["head.weight"])
+
+
+# ------------------------------------------------------------------------------------------------- checkpoints
+
+
+def test_checkpoint_restores_the_whole_training_state(tmp_path):
+    trainer = make_trainer(tmp_path, ema={"enabled": True, "decay": 0.9})
+    for update in range(3):
+        trainer.backward(random_batch(8, seed=update), micro_steps=1, sync=True)
+        trainer.optimizer_step()
+    trainer.save_checkpoint(1, {"val_top1": 50.0}, run_id="run-1")
+    draws_after_save = (torch.rand(3).tolist(), np.random.rand(), random.random())
+
+    assert torch.load(trainer.checkpoint_path, weights_only=True)["epoch"] == 1
+    resumed = make_trainer(tmp_path, ema={"enabled": True, "decay": 0.9}, model_seed=1)
+    checkpoint = resumed.load_checkpoint()
+    assert checkpoint["run_id"] == "run-1" and checkpoint["metrics"] == {"val_top1": 50.0}
+    assert (resumed.start_epoch, resumed.updates) == (1, 3)
+    assert (torch.rand(3).tolist(), np.random.rand(), random.random()) == draws_after_save  # same RNG streams
+    for original, restored in ((trainer.model, resumed.model), (trainer.ema.module, resumed.ema.module)):
+        torch.testing.assert_close(restored.state_dict(), original.state_dict(), rtol=0, atol=0)
+    torch.testing.assert_close(resumed.optimizer.state_dict(), trainer.optimizer.state_dict(), rtol=0, atol=0)
+    assert resumed.optimizer.param_groups[0]["lr"] == trainer.optimizer.param_groups[0]["lr"]
+
+
+def test_checkpoint_from_other_params_is_not_resumed(tmp_path, capsys):
+    make_trainer(tmp_path).save_checkpoint(1, {}, run_id=None)
+    other = make_trainer(tmp_path, optimizer={"lr_base": 1e-3})
+    assert other.load_checkpoint() is None and other.start_epoch == 0
+    assert "pretrain.optimizer.lr_base" in capsys.readouterr().out
+
+
+def test_rerun_after_the_last_epoch_only_writes_the_outputs(tmp_path, monkeypatch):
+    """Killed between the last checkpoint and the model file: the rerun trains nothing (its loader would fail if
+    iterated) and writes the checkpoint's weights and metrics."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    finished = make_trainer(tmp_path, epochs=2)
+    finished.save_checkpoint(2, {"val_top1": 97.5, "val_top5": 100.0}, run_id=None)
+    rerun = make_trainer(tmp_path, epochs=2, model_seed=1)
+    assert rerun.fit() == {"val_top1": 97.5, "val_top5": 100.0}
+    saved = torch.load(rerun.model_file, weights_only=True)["model"]
+    torch.testing.assert_close(saved, finished.model.state_dict(), rtol=0, atol=0)
+    assert json.loads((tmp_path / "metrics" / "metrics.json").read_text()) == {"top1": 97.5, "top5": 100.0}
+
+
+# ------------------------------------------------------------------------------------------ real runs (slow)
+
+
+@pytest.mark.slow
+def test_ddp_ranks_end_with_identical_weights(digits_records, tmp_path):
+    """Two torchrun ranks see different samples and draw different drop-path masks; only averaged gradients
+    (through no_sync accumulation, and an epoch-end update of a single micro-batch) keep them identical."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    command = [str(torchrun), "--standalone", "--nproc_per_node=2", __file__, str(digits_records), str(tmp_path)]
+    env = {**ENV, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+    subprocess.run(command, check=True, timeout=600, env=env, cwd=Path(__file__).parent)
+    rank0, rank1 = (torch.load(tmp_path / f"rank{rank}.pt", weights_only=True) for rank in range(2))
+    torch.testing.assert_close(rank0, rank1, rtol=0, atol=0)
+    train.seed_everything(0, cpu_runtime())  # rank 0's initial weights, which DDP broadcast to rank 1
+    initial = models.build_model(ddp_params().model, NUM_CLASSES, 32).state_dict()
+    assert not any(torch.equal(rank0[name], initial[name]) for name in ("head.weight", "pos_embed", "cls_token"))
+    assert "top1" in json.loads((tmp_path / "metrics" / "metrics.json").read_text())  # rank 0 finished the stage
+
+
+def ddp_params():
+    # 217 training samples per rank: 13 batches of 16, i.e. 6 updates of 2 micro-batches and a last one of 1.
+    return make_params(pretrain={"epochs": 1, "batch_size": 16, "accum_steps": 2}, model={"drop_path": 0.1})
+
+
+def _rank_main(records_dir: str, out_dir: str) -> None:
+    """One rank of test_ddp_ranks_end_with_identical_weights: train, then dump this rank's weights."""
+    out = Path(out_dir)
+    params = ddp_params()
+    with distributed.session() as runtime:
+        loaders = [
+            build_loader(
+                split, records_dir, img_size=32, batch_size=16, runtime=runtime, loader_cfg=params.loader,
+                augment_cfg=params.augment, crop_pct=1.0, seed=params.seed,
+            )
+            for split in ("train", "val")
+        ]
+        train.seed_everything(params.seed, runtime)
+        model = models.build_model(params.model, NUM_CLASSES, 32)
+        train.Trainer(
+            stage="pretrain", params=params, cfg=params.pretrain, model=model,
+            classes=records.read_classes(records_dir), train_loader=loaders[0], val_loader=loaders[1],
+            runtime=runtime, param_sections=("pretrain",), data_digest="digits",
+            checkpoint_dir=out / "ckpt", model_file=out / "model.pt", metrics_dir=out / "metrics",
+        ).fit()
+        torch.save(model.state_dict(), out / f"rank{runtime.rank}.pt")
+
+
+def run_pretrain(params_file: Path, records_dir: Path, out: Path) -> subprocess.Popen:
+    command = [
+        sys.executable, "stages/pretrain.py", "--params", str(params_file), "--records", str(records_dir),
+        "--checkpoint-dir", str(out / "ckpt"), "--out", str(out / "model"), "--metrics", str(out / "metrics"),
+    ]
+    # One thread per run: two runs at a time share the two cores without oversubscribing them. A store per
+    # run: two processes creating one sqlite store at once race in its schema migration.
+    env = {**ENV, "MLFLOW_TRACKING_URI": f"sqlite:///{out / 'mlflow.db'}", "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(
+        command, cwd=PROJECT_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def finish(process: subprocess.Popen) -> str:
+    stdout, stderr = process.communicate(timeout=600)
+    assert process.returncode == 0, stderr[-3000:]
+    return stdout
+
+
+@pytest.mark.slow
+def test_killed_pretrain_resumes_to_the_uninterrupted_result_and_learns(digits_records, tmp_path):
+    params_file = tmp_path / "params.yaml"
+    params_file.write_text(yaml.safe_dump({"pretrain": LEARNING_PRETRAIN}))
+    uninterrupted, interrupted = tmp_path / "uninterrupted", tmp_path / "interrupted"
+    reference = run_pretrain(params_file, digits_records, uninterrupted)
+
+    # Meanwhile: SIGKILL a second run once its first epoch's checkpoint is on disk (while the second epoch trains).
+    process = run_pretrain(params_file, digits_records, interrupted)
+    checkpoint_file = interrupted / "ckpt" / train.CHECKPOINT_FILE
+    while not checkpoint_file.exists():
+        assert process.poll() is None, process.communicate()[1][-3000:]
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.communicate()
+    killed_at = torch.load(checkpoint_file, weights_only=True)
+    assert 1 <= killed_at["epoch"] < LEARNING_PRETRAIN["epochs"]
+    assert not (interrupted / "model" / "model.pt").exists()
+
+    stdout = finish(run_pretrain(params_file, digits_records, interrupted))
+    finish(reference)
+    assert f"resumed from epoch {killed_at['epoch']}" in stdout
+    assert torch.load(checkpoint_file, weights_only=True)["run_id"] == killed_at["run_id"]  # same MLflow run
+
+    runs = (uninterrupted, interrupted)
+    weights = [torch.load(out / "model" / "model.pt", weights_only=True)["model"] for out in runs]
+    torch.testing.assert_close(weights[0], weights[1], rtol=0, atol=0)
+    metrics = [json.loads((out / "metrics" / "metrics.json").read_text()) for out in runs]
+    assert {key: value for key, value in metrics[0].items() if key not in TIMING_METRICS} == {
+        key: value for key, value in metrics[1].items() if key not in TIMING_METRICS
+    }
+
+    # It learned: chance is 10 %; the untrained model (same seed, same init) is near it.
+    params = make_params(pretrain=LEARNING_PRETRAIN)
+    runtime = cpu_runtime()
+    train.seed_everything(params.seed, runtime)
+    untrained = models.build_model(params.model, NUM_CLASSES, params.pretrain.img_size)
+    val = build_loader(
+        "val", digits_records, img_size=32, batch_size=256, runtime=runtime, loader_cfg=params.loader,
+        augment_cfg=params.augment, crop_pct=params.pretrain.val_crop_pct, seed=params.seed,
+    )
+    assert evaluate(untrained, val, runtime, NUM_CLASSES).top1 < 40
+    assert metrics[0]["top1"] >= 90
+
+
+if __name__ == "__main__":
+    _rank_main(*sys.argv[1:])

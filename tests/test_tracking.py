@@ -267,3 +267,33 @@ def test_dvclive_inside_dvc_repro_and_exp_run_only_writes_its_files(workdir, sto
     mlflow = client(store)
     runs = mlflow.search_runs([mlflow.get_experiment_by_name(request.node.name).experiment_id], order_by=["attributes.start_time"])
     assert [(run.data.params["pretrain.epochs"], run.data.tags.get(DVC_EXPERIMENT_TAG)) for run in runs] == [("3", None), ("4", "four-epochs")]
+
+
+OPEN_A_RUN = textwrap.dedent(
+    """
+    import sys
+    from conftest import cpu_runtime, make_params
+    from coarse2fine.tracking import Tracker
+
+    with Tracker("convert", make_params(), cpu_runtime(), metrics_dir=sys.argv[1], param_sections=("seed",)) as tracker:
+        tracker.log_summary({"ok": 1.0})
+    """
+)
+
+
+def test_stages_creating_a_fresh_store_at_once_both_succeed(tmp_path):
+    # Parallel `dvc exp` queue workers start on a project without mlflow.db: MLflow's schema migration
+    # races unless the store's creation is serialised.
+    env = {"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}", "PATH": str(Path(sys.executable).parent),
+           "PYTHONPATH": str(Path(__file__).parent), "MLFLOW_DISABLE_TELEMETRY": "true"}
+    runs = [
+        subprocess.Popen([sys.executable, "-c", OPEN_A_RUN, str(tmp_path / f"metrics{i}")], cwd=tmp_path, env=env,
+                         stderr=subprocess.PIPE, text=True)
+        for i in range(2)
+    ]
+    for run in runs:
+        assert run.wait(timeout=300) == 0, run.stderr.read()
+    found = MlflowClient(env["MLFLOW_TRACKING_URI"]).search_runs(
+        [MlflowClient(env["MLFLOW_TRACKING_URI"]).get_experiment_by_name("coarse2fine").experiment_id]
+    )
+    assert sorted(run.data.metrics["ok"] for run in found) == [1.0, 1.0]

@@ -12,6 +12,7 @@ Only rank 0 tracks; on other ranks every method is a no-op, so callers never bra
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import subprocess
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from dvclive import Live
+from filelock import FileLock
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param
 from mlflow.exceptions import MlflowException
@@ -52,6 +54,16 @@ def _default_artifact_location(uri: str) -> str | None:
         return None  # a tracking server decides its own artifact store
     database = Path(uri.removeprefix("sqlite:///")).resolve()
     return (database.parent / "mlruns").as_uri()
+
+
+def _store_lock(uri: str) -> contextlib.AbstractContextManager:
+    """Serialise the first touches of a sqlite store: two stages creating it at once (parallel `dvc exp`
+    queue workers, concurrent runs) race in MLflow's schema migration and one of them crashes."""
+    if not uri.startswith("sqlite:///"):
+        return contextlib.nullcontext()
+    database = Path(uri.removeprefix("sqlite:///"))
+    database.parent.mkdir(parents=True, exist_ok=True)
+    return FileLock(f"{database}.lock")
 
 
 def _git_commit() -> str | None:
@@ -122,8 +134,9 @@ class Tracker:
         for name in ("dvclive", "mlflow", "alembic"):
             logging.getLogger(name).setLevel(logging.WARNING)
         uri = tracking_uri()
-        self._client = MlflowClient(tracking_uri=uri)
-        self.run_id = self._open_run(uri)
+        with _store_lock(uri):
+            self._client = MlflowClient(tracking_uri=uri)
+            self.run_id = self._open_run(uri)
         try:
             # save_dvc_exp=False, dvcyaml=None, report=None: no experiments behind the user's back (that is
             # `dvc exp run`'s job), no edits of dvc.yaml, no report files.

@@ -112,9 +112,14 @@ def _check_file(root: Path, item: tuple[str, SourceFile]) -> Checked:
         return Checked(split, file, "skip", reason="empty file")
     try:
         with Image.open(io.BytesIO(data)) as image:
-            image.load()  # a full decode: Image.open alone reads only the header and misses truncation
+            width, height = image.size
+            # A JPEG decodes at 1/8 scale (libjpeg DCT scaling): all its entropy-coded data is still decoded, so
+            # truncation and decoder errors surface as in a full-size decode, at about 2/3 of the cost. (Other
+            # formats ignore the draft.) It does not change the mode; it does shrink image.size, read above.
+            image.draft(None, (1, 1))
+            image.load()  # decodes all the data: Image.open alone reads only the header and misses truncation
             action = "copy" if _passes_through(image, data) else "convert"
-            return Checked(split, file, action, *image.size)
+            return Checked(split, file, action, width, height)
     except UnidentifiedImageError:  # its message names a memory address; keep the manifest reproducible
         return Checked(split, file, "skip", reason="not an image PIL can read")
     except Exception as error:  # any decoder failure means this file is unusable, not that the run stops
@@ -188,7 +193,6 @@ def _write_shards(
     mine = jobs[runtime.rank :: runtime.world_size]
     bounds = {split: _shard_bounds(len(ordered[split]), _num_shards(params, split)) for split in records.SPLITS}
     total = sum(bounds[split][shard + 1] - bounds[split][shard] for split, shard in mine)
-    encode = functools.partial(_record_image, root, params.data.jpeg_quality)
     written = []
     with tqdm(total=total, desc="write", unit="img", disable=not runtime.is_main) as progress:
         for split, shard in mine:
@@ -203,7 +207,7 @@ def _write_shards(
                     width=item.width,
                     path=item.file.path,
                 )
-                for index, item, image in zip(range(first, end), items, map_(encode, items))
+                for index, item, image in zip(range(first, end), items, _stored_images(items, root, params, map_))
             )
             info = records.write_shard(out_dir, split, shard, _num_shards(params, split), first, examples)
             progress.update(info.count)
@@ -212,12 +216,18 @@ def _write_shards(
     return sorted(everyone, key=lambda info: (records.SPLITS.index(info.split), info.first_index))
 
 
-def _record_image(root: Path, quality: int, item: Checked) -> bytes:
-    """The JPEG bytes stored for a checked file: the file itself, or an RGB re-encoding of it."""
-    data = (root / item.file.path).read_bytes()
-    if item.action == "copy":
-        return data
-    with Image.open(io.BytesIO(data)) as image:
+def _stored_images(items: list[Checked], root: Path, params: Params, map_: Callable) -> Iterator[bytes]:
+    """The JPEG bytes stored for each checked file, in order: the file itself, read here (sending it through a
+    pool worker costs more than reading it), or its RGB re-encoding from the pool."""
+    reencode = functools.partial(_reencoded, root, params.data.jpeg_quality)
+    reencoded = map_(reencode, [item for item in items if item.action == "convert"])
+    for item in items:
+        yield (root / item.file.path).read_bytes() if item.action == "copy" else next(reencoded)
+
+
+def _reencoded(root: Path, quality: int, item: Checked) -> bytes:
+    """An RGB JPEG re-encoding of a checked file."""
+    with Image.open(root / item.file.path) as image:
         encoded = io.BytesIO()
         _on_white_rgb(image).save(encoded, "JPEG", quality=quality)  # libjpeg output is deterministic
         return encoded.getvalue()
@@ -267,14 +277,23 @@ def _manifest(
     }
 
 
-def _summary(manifest: dict[str, Any], seconds: float, runtime: Runtime, workers: int, out_dir: Path) -> str:
+def totals(manifest: dict[str, Any]) -> dict[str, float]:
+    """Counts over both splits, as logged to MLflow and printed in the summary line."""
     splits = manifest["splits"]
-    images = sum(split["images"] for split in splits.values())
-    skipped = sum(len(split["skipped"]) for split in splits.values())
-    written = sum(shard["bytes"] for split in splits.values() for shard in split["shards"])
-    counts = " + ".join(f"{splits[split]['images']} {split}" for split in records.SPLITS)
+    counts = {f"images_{split}": splits[split]["images"] for split in records.SPLITS}
+    return {
+        **counts,
+        "images": sum(counts.values()),
+        "skipped": sum(len(split["skipped"]) for split in splits.values()),
+        "megabytes": sum(shard["bytes"] for split in splits.values() for shard in split["shards"]) / 1e6,
+    }
+
+
+def _summary(manifest: dict[str, Any], seconds: float, runtime: Runtime, workers: int, out_dir: Path) -> str:
+    total = totals(manifest)
+    counts = " + ".join(f"{total[f'images_{split}']} {split}" for split in records.SPLITS)
     return (
-        f"convert: {counts} images -> {out_dir}, {skipped} files skipped (see {records.MANIFEST_FILE}), "
-        f"{written / 1e6:.1f} MB written, {images / seconds:.0f} img/s "
+        f"convert: {counts} images -> {out_dir}, {total['skipped']} files skipped (see {records.MANIFEST_FILE}), "
+        f"{total['megabytes']:.1f} MB written, {total['images'] / seconds:.0f} img/s "
         f"({runtime.world_size} rank(s) x {workers} worker(s))"
     )

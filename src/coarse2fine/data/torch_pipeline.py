@@ -1,10 +1,14 @@
 """The torch backend (fallback without DALI): the same shards read with the `tfrecord` package, the same recipe
 with torchvision v2 and timm (timm's own RandAugment and RandomErasing), a torch DataLoader.
 
-Random access: record k of a shard is read with the tfrecord reader's `shard=(k, count)`, which seeks to the
-k-th offset of the shard's index (0.25 ms a record on 720-record shards), so any sampler order works and
-sharding is exact. The sampler yields (epoch, position) keys, so workers know the epoch without state, and
-every sample's augmentation is seeded by (seed, epoch, record index): identical whatever the worker count.
+Random access: `ShardReader` loads every shard's index (offset, length per record) once, keeps one file handle
+per shard open in each process that reads (every DataLoader worker, or the main process with workers=0), and
+reads record k with a single pread at its offset; the `tfrecord` package parses the Example. So any sampler
+order works and sharding is exact. (The package's own reader, called per record with `shard=(k, count)`,
+reloads the index text, reopens the file and allocates a 1 MB buffer every time: 0.27 ms a record against
+0.06 ms, on 640-record shards.) The sampler yields (epoch, position) keys, so workers know the epoch without
+state, and every sample's augmentation is seeded by (seed, epoch, record index): identical whatever the
+worker count.
 """
 
 from __future__ import annotations
@@ -13,14 +17,17 @@ import bisect
 import contextlib
 import io
 import itertools
+import os
 import random
+import struct
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 import torch
 from PIL import Image
-from tfrecord.reader import example_loader
+from tfrecord import example_pb2
+from tfrecord.reader import extract_feature_dict
 from timm.data.auto_augment import rand_augment_transform
 from timm.data.random_erasing import RandomErasing
 from torch.utils.data import DataLoader, Dataset, Sampler
@@ -78,9 +85,18 @@ def seeded_global_rngs(seed: int) -> Iterator[None]:
             np.random.set_state(numpy_state)
 
 
-to_normalised_tensor = v2.Compose(
-    [v2.PILToTensor(), v2.ToDtype(torch.float32, scale=True), v2.Normalize(list(IMAGE_MEAN), list(IMAGE_STD))]
-)
+NORMALISE_MEAN = torch.tensor(IMAGE_MEAN).view(3, 1, 1)
+NORMALISE_STD = torch.tensor(IMAGE_STD).view(3, 1, 1)
+
+
+def to_normalised_tensor(image: Image.Image) -> torch.Tensor:
+    """RGB PIL image -> float32 [3, H, W] normalised: bit for bit what v2's PILToTensor -> ToDtype(float32,
+    scale=True) -> Normalize give, but in place on one contiguous buffer (that chain allocates twice and returns
+    a channels-last strided tensor, which collate then has to gather): 0.85 instead of 1.6 ms a 224 px sample,
+    collate included."""
+    pixels = torch.from_numpy(np.array(image)).permute(2, 0, 1)  # np.array: a writable copy for torch
+    scaled = pixels.to(torch.float32, memory_format=torch.contiguous_format).mul_(1 / 255)
+    return scaled.sub_(NORMALISE_MEAN).div_(NORMALISE_STD)
 
 
 class TrainTransform:
@@ -131,11 +147,44 @@ class ValTransform:
         return {"image": to_normalised_tensor(self.resize_and_crop(image))}
 
 
+# The tfrecord package's own names for the FEATURES kinds (example_loader's mapping).
+TFRECORD_KINDS = {"byte": "bytes_list", "float": "float_list", "int": "int64_list"}
+# A TFRecord frame: length (uint64 little-endian), its masked CRC (4 bytes), the Example, the Example's CRC.
+FRAME_HEADER, FRAME_FOOTER = 12, 4
+
+
+class ShardReader:
+    """Record k of shard s by position: the indices are read once (here), the files opened once per process."""
+
+    def __init__(self, shards: list[tuple[Path, Path]]):
+        self.paths = [str(tfrecord) for tfrecord, _ in shards]
+        # Per shard, (offset, length) of each whole frame, as the convert stage's index lists them.
+        self.frames = [np.loadtxt(index, dtype=np.int64, ndmin=2) for _, index in shards]
+        self._files: list[io.FileIO] = []
+        self._pid = -1  # the process that opened _files: a forked worker must open its own
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_files": [], "_pid": -1}  # open files do not pickle (spawned workers)
+
+    def read(self, shard: int, k: int) -> dict:
+        """The record as the tfrecord package decodes it (ints as 1-element int64 arrays, bytes as bytes)."""
+        if self._pid != os.getpid():
+            self._files = [open(path, "rb", buffering=0) for path in self.paths]
+            self._pid = os.getpid()
+        offset, length = (int(value) for value in self.frames[shard][k])
+        frame = os.pread(self._files[shard].fileno(), length, offset)
+        (size,) = struct.unpack_from("<Q", frame)
+        if len(frame) != length or size != length - FRAME_HEADER - FRAME_FOOTER:
+            raise RuntimeError(f"{self.paths[shard]}: record {k} at byte {offset} does not match its index entry")
+        example = example_pb2.Example.FromString(frame[FRAME_HEADER:-FRAME_FOOTER])
+        return extract_feature_dict(example.features, records.FEATURES, TFRECORD_KINDS)
+
+
 class RecordDataset(Dataset):
     """The records of one split, addressed by position in shard order; items are keyed (epoch, position)."""
 
     def __init__(self, shards: list[tuple[Path, Path]], settings: LoaderSettings):
-        self.shards = [(str(tfrecord), str(index)) for tfrecord, index in shards]
+        self.reader = ShardReader(shards)
         self.counts = settings.record_counts
         self.first_positions = list(itertools.accumulate(self.counts, initial=0))[:-1]
         self.seed = settings.seed
@@ -147,13 +196,11 @@ class RecordDataset(Dataset):
     def __getitem__(self, key: tuple[int, int]) -> dict[str, torch.Tensor]:
         epoch, position = key
         shard = bisect.bisect_right(self.first_positions, position) - 1
-        tfrecord, index = self.shards[shard]
-        # One record: the tfrecord reader's shard (k, count) of a file with `count` records is exactly record k.
-        (record,) = example_loader(
-            tfrecord, index, records.FEATURES, shard=(position - self.first_positions[shard], self.counts[shard])
-        )
+        record = self.reader.read(shard, position - self.first_positions[shard])
         record_index, label = int(record["index"][0]), int(record["label"][0])
-        image = Image.open(io.BytesIO(record["image"])).convert("RGB")
+        image = Image.open(io.BytesIO(record["image"]))
+        if image.mode != "RGB":  # greyscale JPEGs pass through convert; converting an RGB image would only copy it
+            image = image.convert("RGB")
         with seeded_global_rngs(derive_seed(self.seed, epoch, record_index)):
             sample = self.transform(image)
         return {

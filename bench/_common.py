@@ -1,0 +1,196 @@
+"""What the benchmarks share: a synthetic photo-like JPEG tree, interleaved timing, the report (header line,
+markdown table, JSON).
+
+The machine is often shared, so absolute numbers drift: every benchmark times all its variants in one run,
+interleaved (repeat r runs every variant once, starting at a rotating variant), and reports medians and
+ratios between variants of the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import platform
+import shlex
+import shutil
+import sys
+import tempfile
+import time
+from multiprocessing import Pool
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+from PIL import Image, ImageDraw, ImageFilter
+
+from coarse2fine.config import Params, parse_params
+from coarse2fine.data import records
+from coarse2fine.data.convert import convert
+from coarse2fine.distributed import Runtime
+
+PHOTO_SIZE = (500, 375)  # width, height: a typical ImageNet / Pascal VOC photo
+JPEG_QUALITY = 90
+CPU = Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))  # one rank, no process group
+
+
+def photo_like(seed: int, size: tuple[int, int] = PHOTO_SIZE) -> Image.Image:
+    """A smooth colour field, blurred shapes, grain-sized texture and sensor-like noise: at quality 90 it is about
+    90 KB at 500x375 and decodes in about 2 ms, like a typical ImageNet photo (flat colour would be far smaller and
+    faster, white noise far larger and slower)."""
+    rng = np.random.default_rng(seed)
+    width, height = size
+    field = Image.fromarray(rng.integers(0, 256, (3, 4, 3), dtype=np.uint8)).resize(size, Image.Resampling.BICUBIC)
+    draw = ImageDraw.Draw(field)
+    for _ in range(rng.integers(4, 10)):
+        x0, y0 = rng.integers(-width // 4, width), rng.integers(-height // 4, height)
+        x1, y1 = x0 + rng.integers(20, width // 2), y0 + rng.integers(20, height // 2)
+        colour = tuple(int(c) for c in rng.integers(0, 256, 3))
+        (draw.ellipse if rng.random() < 0.5 else draw.rectangle)((x0, y0, x1, y1), fill=colour)
+    pixels = np.asarray(field.filter(ImageFilter.GaussianBlur(1.5)), dtype=np.int16)
+    grain = rng.integers(0, 256, (height // 2, width // 2), dtype=np.uint8)
+    texture = np.asarray(Image.fromarray(grain).resize(size, Image.Resampling.BICUBIC), dtype=np.int16)
+    pixels += ((texture - 128) * 60 // 128)[..., None]  # luminance texture, up to +-60
+    pixels += rng.integers(-12, 13, pixels.shape, dtype=np.int16)  # per-channel sensor noise
+    return Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8))
+
+
+def _write_photo(job: tuple[Path, int]) -> None:
+    path, seed = job
+    photo_like(seed).save(path, "JPEG", quality=JPEG_QUALITY)
+
+
+def photo_tree(work: Path, *, train_images: int, val_images: int, classes: int = 10) -> Path:
+    """An ImageFolder tree work/photos-T+V/{train,val}/class_XX/NNNNN.jpg of `photo_like` JPEGs, spread evenly
+    over the classes. Deterministic; a finished tree of the same spec (in a kept --workdir) is reused."""
+    spec = {"train": train_images, "val": val_images, "classes": classes, "size": PHOTO_SIZE, "quality": JPEG_QUALITY}
+    root = work / f"photos-{train_images}+{val_images}"
+    marker = root.with_name(f"{root.name}.json")  # written last: marks the tree complete
+    if marker.is_file() and json.loads(marker.read_text(encoding="utf-8")) == json.loads(json.dumps(spec)):
+        return root
+    shutil.rmtree(root, ignore_errors=True)
+    jobs = []
+    for split in ("train", "val"):
+        for label in range(classes):
+            folder = root / split / f"class_{label:02d}"
+            folder.mkdir(parents=True)
+            count = spec[split] // classes + (label < spec[split] % classes)
+            jobs += [(folder / f"{number:05d}.jpg", len(jobs)) for number in range(count)]
+    with Pool(len(os.sched_getaffinity(0))) as pool:
+        pool.map(_write_photo, jobs, chunksize=32)
+    marker.write_text(json.dumps(spec), encoding="utf-8")
+    return root
+
+
+@contextlib.contextmanager
+def workspace(workdir: Path | None) -> Iterator[Path]:
+    """`workdir` (kept), or a temporary directory removed afterwards."""
+    if workdir is not None:
+        workdir.mkdir(parents=True, exist_ok=True)
+        yield workdir
+        return
+    with tempfile.TemporaryDirectory(prefix="coarse2fine-bench-") as temporary:
+        yield Path(temporary)
+
+
+def imagefolder_params(root: Path, convert_workers: int = 2) -> Params:
+    """The project's params (schema defaults) for converting the ImageFolder tree at `root`."""
+    return parse_params({"data": {"source": "imagefolder", "root": str(root), "convert_workers": convert_workers}})
+
+
+def run_convert(params: Params, out: Path) -> dict:
+    """The library's convert stage on one rank; its progress and summary go to stderr, away from the report."""
+    with contextlib.redirect_stdout(sys.stderr):
+        return convert(params, CPU, out)
+
+
+def convert_tree(root: Path, out: Path) -> Path:
+    """`root` converted into records at `out` (reused if a finished conversion of `root` is already there)."""
+    manifest = out / records.MANIFEST_FILE
+    if not (manifest.is_file() and records.read_manifest(out)["source"].get("root") == str(root)):
+        run_convert(imagefolder_params(root), out)
+    return out
+
+
+def tree_stats(root: Path) -> tuple[int, int]:
+    """(files, bytes) under root."""
+    sizes = [path.stat().st_size for path in root.rglob("*") if path.is_file()]
+    return len(sizes), sum(sizes)
+
+
+def interleaved(
+    variants: dict[str, Callable[[], int]], repeats: int, before: Callable[[], None] = lambda: None
+) -> dict[str, list[float]]:
+    """Items per second of each variant, `repeats` times. A variant is a call that does one unit of work
+    (an epoch, a conversion) and returns how many items it handled; `before` runs untimed ahead of every call
+    (e.g. deleting the last run's output). Every variant runs once untimed first (warm-up: worker start, page
+    cache, first-graph costs); then the repeats run interleaved, each repeat starting at the next variant so
+    none always follows the same neighbour."""
+    for run in variants.values():
+        before()
+        run()
+    names = list(variants)
+    rates: dict[str, list[float]] = {name: [] for name in names}
+    for repeat in range(repeats):
+        for name in names[repeat % len(names) :] + names[: repeat % len(names)]:
+            before()
+            started = time.perf_counter()
+            items = variants[name]()
+            rates[name].append(items / (time.perf_counter() - started))
+        progress = ", ".join(f"{name} {values[-1]:.0f}/s" for name, values in rates.items())
+        print(f"repeat {repeat + 1}/{repeats}: {progress}", file=sys.stderr)
+    return rates
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def header_line() -> str:
+    """Machine, date, load and the command line, for the top of a report."""
+    cores = len(os.sched_getaffinity(0))
+    load = ", ".join(f"{value:.2f}" for value in os.getloadavg())
+    date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    command = shlex.join(["python", *sys.argv])
+    return f"{cores} cores ({cpu_model()}), {date}, load average {load}; command: `{command}`"
+
+
+def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(str(cell)) for cell in column) for column in zip(headers, *rows)]
+    lines = [headers, ["-" * width for width in widths], *rows]
+    return "\n".join("| " + " | ".join(str(cell).ljust(w) for cell, w in zip(line, widths)) + " |" for line in lines)
+
+
+def goal(text: str, met: bool, measured: str) -> str:
+    return f"{text}: {'met' if met else 'MISSED'} ({measured})"
+
+
+def add_common_arguments(parser: argparse.ArgumentParser, *, repeats: int) -> None:
+    parser.add_argument(
+        "--imagefolder", type=Path, metavar="PATH", help="a real tree PATH/{train,val}/<class>/*, not synthetic photos"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=repeats, metavar="N", help=f"timed repeats per variant (default: {repeats})"
+    )
+    parser.add_argument("--json", type=Path, metavar="PATH", help="also write the raw numbers (every repeat) as JSON")
+    parser.add_argument(
+        "--workdir", type=Path, metavar="DIR", help="keep the generated tree and outputs here (default: a temp dir)"
+    )
+
+
+def write_json(args: argparse.Namespace, text: str, raw: dict) -> None:
+    """The report, the options and the raw numbers, to --json PATH if given."""
+    if args.json is not None:
+        options = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
+        report = {"report": text, "args": options, **raw}
+        args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")

@@ -107,9 +107,11 @@ def run_stage(params: dict, params_path: Path, out: Path, nproc: int = 1) -> sub
         *(torchrun if nproc > 1 else [sys.executable]), str(STAGE),
         "--params", str(params_path), "--out", str(out), "--metrics", str(metrics),
     ]
-    # Run where the outputs go: the MLflow store (mlflow.db, mlruns/) lands there, not in the project.
+    # Runs may go concurrently: each gets its own MLflow store (two processes creating one sqlite store at
+    # once race in its schema migration), beside its outputs rather than in the project.
+    env = {**ENV, "MLFLOW_TRACKING_URI": f"sqlite:///{out.parent / f'{out.name}-mlflow.db'}"}
     return subprocess.Popen(
-        command, cwd=out.parent, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        command, cwd=out.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
 
 

@@ -7,22 +7,19 @@ are those of one pass over the whole split, whatever the world size, batch size 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from matplotlib.figure import Figure
-from sklearn.metrics import ConfusionMatrixDisplay
 from torch import nn
 
 from coarse2fine.distributed import Runtime, all_reduce_sum
+from coarse2fine.files import atomic_path
 
 TOP_K = 5
 # Beyond these class counts the confusion matrix image drops the numbers in the cells, then the tick labels:
@@ -124,7 +121,7 @@ def write_per_class_json(path: str | Path, result: EvalResult, classes: Sequence
             classes, result.per_class_accuracy.tolist(), result.per_class_correct, result.per_class_total, strict=True
         )
     ]
-    with _atomic(Path(path)) as temporary:
+    with atomic_path(path) as temporary:
         temporary.write_text(json.dumps(rows, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
@@ -132,6 +129,10 @@ def write_confusion_matrix_png(path: str | Path, result: EvalResult, classes: Se
     """Counts (rows: true class, columns: predicted), class names on the axes while they stay legible."""
     num_classes = len(classes)
     side = min(max(6.0, 0.45 * num_classes + 2.0), 16.0)  # inches: grows with the class count, then caps
+    # Imported here: matplotlib + sklearn cost about 2 s, which every training process would pay otherwise.
+    from matplotlib.figure import Figure
+    from sklearn.metrics import ConfusionMatrixDisplay
+
     # A bare Figure, not pyplot: no global figure registry to leak into, and it renders with Agg, no display.
     figure = Figure(figsize=(side, side), dpi=100, layout="constrained")
     axes = figure.add_subplot()
@@ -147,18 +148,5 @@ def write_confusion_matrix_png(path: str | Path, result: EvalResult, classes: Se
         axes.set_xticks([])
         axes.set_yticks([])
     axes.set_title(f"top-1 {result.top1:.2f} %, n = {result.n}")
-    with _atomic(Path(path)) as temporary:
+    with atomic_path(path) as temporary:
         figure.savefig(temporary, format="png")
-
-
-@contextlib.contextmanager
-def _atomic(path: Path) -> Iterator[Path]:
-    """A temporary name beside `path`, renamed to `path` only if the block succeeds (readers never see a
-    half-written file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        yield temporary
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)

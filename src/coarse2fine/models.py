@@ -6,7 +6,6 @@ using it naively goes wrong (see `TrainForward`) and gives the model file one do
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any, NamedTuple, Sequence
 
@@ -17,6 +16,7 @@ from torch import nn
 
 from coarse2fine.config import CUSTOM_MODEL, Model, flatten
 from coarse2fine.errors import UserError
+from coarse2fine.files import atomic_path
 
 
 def build_model(model_cfg: Model, num_classes: int, img_size: int) -> VOLO:
@@ -103,17 +103,8 @@ def load_model_file(path: str | Path, device: torch.device | str = "cpu") -> tup
 
 def atomic_save(obj: Any, path: str | Path) -> None:
     """torch.save to a temporary file beside `path`, then rename: a crash never leaves a half-written file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(temp, "wb") as file:
-            torch.save(obj, file)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temp, path)
-    finally:
-        temp.unlink(missing_ok=True)
+    with atomic_path(path) as temporary:
+        torch.save(obj, temporary)
 
 
 def load_file(path: str | Path, what: str, device: torch.device | str = "cpu") -> Any:

@@ -7,10 +7,8 @@ and it lists the shards, so readers never pick up a stale shard of an earlier ru
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +20,7 @@ from tfrecord.tools.tfrecord2idx import create_index
 from tfrecord.writer import TFRecordWriter
 
 from coarse2fine.errors import UserError
+from coarse2fine.files import atomic_path
 
 SPLITS = ("train", "val")
 CLASSES_FILE = "classes.json"
@@ -71,17 +70,6 @@ class _DeterministicWriter(TFRecordWriter):
         self.file.write(length + self.masked_crc(length) + record + self.masked_crc(record))
 
 
-@contextlib.contextmanager
-def _atomic(path: Path) -> Iterator[Path]:
-    """Yield a temporary name beside `path`; rename it to `path` only if the block succeeds."""
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        yield temporary
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)
-
-
 def write_shard(
     records_dir: Path, split: str, shard: int, num_shards: int, first_index: int, examples: Iterable[dict]
 ) -> ShardInfo:
@@ -89,7 +77,7 @@ def write_shard(
     stem = shard_stem(split, shard, num_shards)
     tfrecord_path, index_path = records_dir / f"{stem}.tfrecord", records_dir / f"{stem}.idx"
     count = 0
-    with _atomic(tfrecord_path) as temporary_tfrecord, _atomic(index_path) as temporary_index:
+    with atomic_path(tfrecord_path) as temporary_tfrecord, atomic_path(index_path) as temporary_index:
         writer = _DeterministicWriter(str(temporary_tfrecord))
         try:
             for datum in examples:
@@ -106,7 +94,7 @@ def write_shard(
 
 def write_json(path: Path, value: Any) -> None:
     """Atomically; stable formatting (no timestamps), so equal content gives equal bytes."""
-    with _atomic(path) as temporary:
+    with atomic_path(path) as temporary:
         temporary.write_text(json.dumps(value, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 

@@ -1,0 +1,27 @@
+"""Atomic file writes: every output is written under a temporary name and renamed into place."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Iterator
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """Yield a temporary name beside `path`; it becomes `path` only if the block succeeds.
+
+    Readers (and a rerun after a crash) never see a half-written file: the rename is atomic on POSIX, and
+    the data is fsynced first so a power loss cannot leave a renamed but empty file.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        yield temporary
+        with open(temporary, "rb+") as written:
+            os.fsync(written.fileno())
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)

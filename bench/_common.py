@@ -14,17 +14,21 @@ import datetime
 import json
 import os
 import platform
+import re
 import shlex
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from multiprocessing import Pool
 from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
 import torch
+import yaml
 from PIL import Image, ImageDraw, ImageFilter
 
 from coarse2fine.config import Params, parse_params
@@ -194,3 +198,82 @@ def write_json(args: argparse.Namespace, text: str, raw: dict) -> None:
         options = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
         report = {"report": text, "args": options, **raw}
         args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+
+
+# ----------------------------------------------------------------------------------- a DVC project copy
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+STAGE_LINE = re.compile(r"Running stage '([\w-]+)'")
+
+
+def merge_params(base: dict, change: dict) -> dict:
+    """`change` merged into `base` (nested dicts merged key by key), in place; returns base."""
+    for key, value in change.items():
+        if isinstance(value, dict):
+            merge_params(base.setdefault(key, {}), value)
+        else:
+            base[key] = value
+    return base
+
+
+@dataclass
+class Repro:
+    seconds: float  # wall time of the whole `dvc repro`
+    stage_seconds: dict[str, float]  # per stage that ran: from its "Running stage" line to the next one / the end
+    output: str
+
+
+class ProjectCopy:
+    """The project's pipeline (dvc.yaml, params.yaml, stages/, src/, .dvc/) in a fresh git repository at `path`,
+    as a user's clone would be (like tests/test_pipeline.py's fixture), with `params` changes applied and committed.
+    Tools run from the interpreter's environment; MLflow logs into the copy."""
+
+    def __init__(self, path: Path, params: dict):
+        self.path = path
+        path.mkdir(parents=True)
+        for name in ("dvc.yaml", "params.yaml", ".gitignore", ".dvcignore"):
+            shutil.copy(PROJECT_ROOT / name, path / name)
+        for name in ("stages", "src"):
+            shutil.copytree(PROJECT_ROOT / name, path / name, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+        shutil.copytree(PROJECT_ROOT / ".dvc", path / ".dvc", ignore=shutil.ignore_patterns("tmp", "cache"))
+        self.env = {
+            **os.environ,
+            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+            "DVC_NO_ANALYTICS": "1",
+            "MLFLOW_DISABLE_TELEMETRY": "true",
+            "MLFLOW_TRACKING_URI": f"sqlite:///{path / 'mlflow.db'}",
+        }
+        self.edit_params(params)
+        self.run("git", "init", "-q")
+        self.run("git", "add", "-A")
+        self.run("git", "-c", "user.name=bench", "-c", "user.email=bench@localhost", "commit", "-qm", "bench")
+
+    def run(self, *command: str) -> str:
+        """Run a command in the copy; its output, or an error with the output if it fails."""
+        result = subprocess.run(command, cwd=self.path, env=self.env, capture_output=True, text=True)
+        if result.returncode:
+            raise RuntimeError(f"{shlex.join(command)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
+        return result.stdout
+
+    def edit_params(self, change: dict) -> None:
+        path = self.path / "params.yaml"
+        path.write_text(yaml.safe_dump(merge_params(yaml.safe_load(path.read_text()), change), sort_keys=False))
+
+    def repro(self, *args: str) -> Repro:
+        """`dvc repro ARGS`, timed; stage times come from when each "Running stage" line arrives."""
+        started = time.perf_counter()
+        marks: list[tuple[str, float]] = []
+        lines = []
+        with subprocess.Popen(
+            ["dvc", "repro", *args], cwd=self.path, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        ) as process:
+            for line in process.stdout:
+                lines.append(line)
+                if match := STAGE_LINE.search(line):
+                    marks.append((match.group(1), time.perf_counter()))
+        ended = time.perf_counter()
+        output = "".join(lines)
+        if process.returncode:
+            raise RuntimeError(f"dvc repro {' '.join(args)} failed ({process.returncode}):\n{output}")
+        ends = [at for _, at in marks[1:]] + [ended]
+        return Repro(ended - started, {stage: end - at for (stage, at), end in zip(marks, ends)}, output)

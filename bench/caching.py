@@ -1,0 +1,108 @@
+"""DVC caching: what `dvc repro` costs when nothing changed, and when only the last stage's params changed.
+
+In a fresh copy of the project (a temporary git repository with dvc.yaml, params.yaml, stages/, src/, .dvc/, as
+tests/test_pipeline.py makes it) with fast params, a full `dvc repro` runs once (reported, not a row); then, in
+--repeats interleaved rounds:
+- no-op: `dvc repro` with nothing changed (must run no stage);
+- last stage only: `evaluate.crop_pct` set to a value not used before (DVC's run cache would restore a previous
+  value's outputs without running anything), then `dvc repro` (must run evaluate only;
+  the earlier stages' time, from `Running stage` lines, must be 0). evaluate is the last stage until the
+  fine-tune stage exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from pathlib import Path
+
+from _common import ProjectCopy, Repro, goal, header_line, markdown_table, workspace, write_json
+
+GOAL_NOOP_SECONDS = 3.0
+LAST_STAGE = "evaluate"
+FIRST_CROP_PCT, CROP_PCT_STEP = 0.875, -0.025  # a new value every round: a real run, never a run-cache restore
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--subset", type=float, default=0.3, metavar="F", help="data.subset of the copy (default: 0.3)")
+    parser.add_argument("--epochs", type=int, default=2, metavar="N", help="pretrain.epochs of the copy (default: 2)")
+    parser.add_argument("--repeats", type=int, default=5, metavar="N", help="rounds of both timings (default: 5)")
+    parser.add_argument("--json", type=Path, metavar="PATH", help="also write the raw numbers (every repeat) as JSON")
+    parser.add_argument("--workdir", type=Path, metavar="DIR", help="make the project copy here (default: a temp dir)")
+    return parser.parse_args()
+
+
+def earlier_seconds(run: Repro) -> float:
+    return sum(seconds for stage, seconds in run.stage_seconds.items() if stage != LAST_STAGE)
+
+
+def ran(runs: list[Repro]) -> str:
+    stages = sorted({stage for run in runs for stage in run.stage_seconds})
+    return ", ".join(stages) or "none"
+
+
+def report(full: Repro, noop: list[Repro], change: list[Repro], args: argparse.Namespace) -> tuple[str, dict]:
+    def row(name: str, runs: list[Repro]) -> list[str]:
+        seconds = [run.seconds for run in runs]
+        earlier = max(earlier_seconds(run) for run in runs)
+        last = statistics.median(run.stage_seconds.get(LAST_STAGE, 0.0) for run in runs)
+        return [
+            name, f"{statistics.median(seconds):.2f}", f"{min(seconds):.2f}-{max(seconds):.2f}", ran(runs),
+            f"{earlier:.2f}", f"{last:.2f}",
+        ]
+
+    noop_median = statistics.median(run.seconds for run in noop)
+    earlier = max(earlier_seconds(run) for run in change)
+    goals = [
+        goal(f"no-op dvc repro <= {GOAL_NOOP_SECONDS:g} s", noop_median <= GOAL_NOOP_SECONDS, f"{noop_median:.2f} s"),
+        goal(
+            f"a change under {LAST_STAGE}: runs only {LAST_STAGE}, 0 s in earlier stages",
+            all(ran([run]) == LAST_STAGE for run in change) and earlier == 0 and ran(noop) == "none",
+            f"ran {ran(change)}, {earlier:.2f} s earlier",
+        ),
+    ]
+    full_stages = ", ".join(f"{stage} {seconds:.1f} s" for stage, seconds in full.stage_seconds.items())
+    text = "\n".join(
+        [
+            header_line(),
+            "",
+            f"`dvc repro` in a fresh project copy (data.subset {args.subset}, pretrain.epochs {args.epochs}); first full "
+            f"run {full.seconds:.1f} s ({full_stages}); then median of {args.repeats} interleaved rounds. "
+            f"The last stage is {LAST_STAGE} (the fine-tune stage does not exist yet).",
+            "",
+            markdown_table(
+                ["dvc repro after", "wall s (median)", "wall s range", "stages run", "s in earlier stages (max)",
+                 f"s in {LAST_STAGE} (median)"],
+                [row("no change", noop), row(f"{LAST_STAGE}.crop_pct changed", change)],
+            ),
+            "",
+            "Goals: " + "; ".join(goals) + ".",
+        ]
+    )
+    raw = {
+        "full": {"seconds": full.seconds, "stage_seconds": full.stage_seconds},
+        "noop": [{"seconds": run.seconds, "stage_seconds": run.stage_seconds} for run in noop],
+        "last_stage_change": [{"seconds": run.seconds, "stage_seconds": run.stage_seconds} for run in change],
+        "goals": goals,
+    }
+    return text, raw
+
+
+def main() -> None:
+    args = parse_args()
+    with workspace(args.workdir) as work:
+        project = ProjectCopy(work / "project", {"data": {"subset": args.subset}, "pretrain": {"epochs": args.epochs}})
+        full = project.repro()
+        noop, change = [], []
+        for repeat in range(args.repeats):
+            noop.append(project.repro())
+            project.edit_params({LAST_STAGE: {"crop_pct": round(FIRST_CROP_PCT + CROP_PCT_STEP * repeat, 3)}})
+            change.append(project.repro())
+    text, raw = report(full, noop, change, args)
+    print(text)
+    write_json(args, text, raw)
+
+
+if __name__ == "__main__":
+    main()

@@ -7,7 +7,12 @@ tensors loaded before timing, so only the training step is compared, never data 
 - Trainer step: coarse2fine.train.Trainer.backward + optimizer_step (timm optimizer, per-update LR schedule,
   grad scaler pass-through, autocast context);
 - Trainer epoch: Trainer._train_epoch over an in-memory loader yielding the same batches (adds the epoch loop:
-  progress bar, per-step loss.item(), loss sums), still without data loading.
+  progress bar, per-step loss.item(), loss sums), still without data loading;
+- Trainer step + token labels: the same steps with losses.TokenLabelObjective: per batch, the top-k teacher
+  maps looked up in a memory-mapped TokenLabelStore by record index, dense targets by roi_align on the batch's
+  random crop windows and flips, soft cross-entropy on the class token and on every token;
+- + MixToken: the same, with the model built with MixToken (timm's forward_train mixes and unmixes tokens).
+The token-label rows' cost is read against the Trainer step row (the recipe's goal: at most 15 %).
 Each call runs --steps steps; every row is warmed up once, then the repeats run interleaved (see _common.py).
 Besides wall-clock img/s, img per CPU-second of the process (all its threads) is reported: on a shared machine the
 wall clock also counts time other jobs held the cores, the CPU time counts only the work done.
@@ -25,12 +30,16 @@ from typing import Callable, Iterator
 import torch
 
 from _common import CPU, goal, header_line, interleaved, markdown_table, write_json
-from coarse2fine import models
+from coarse2fine import losses, models
 from coarse2fine.config import Params, parse_params
+from coarse2fine.labels.store import TokenLabelStore, write_store
 from coarse2fine.train import Trainer, seed_everything
 
 NUM_CLASSES = 10
 GOAL_VS_BARE = 0.95
+GOAL_TOKEN_LABEL_COST = 0.15
+# The teacher's maps in the bench store: top-5 classes on a 4 x 4 grid (finer than the tiny model's 2 x 2 tokens).
+TOP_K, TEACHER_GRID = 5, 4
 
 
 def parse_args() -> argparse.Namespace:
@@ -39,25 +48,54 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=7, metavar="N", help="timed calls per row (default: 7)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), metavar="N",
                         help=f"torch intra-op threads (default: {torch.get_num_threads()}, this machine's default)")
+    parser.add_argument("--patch-size", type=int, metavar="N",
+                        help="model.patch_size (default: params.yaml's 8, i.e. 2 x 2 tokens at 32 px; 4 gives 4 x 4)")
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write the raw numbers (every repeat) as JSON")
     return parser.parse_args()
 
 
 def random_batches(params: Params, count: int) -> list[dict[str, torch.Tensor]]:
+    """Batches as the loaders give them: images, labels, record indices (batch i holds records i*B..), random
+    crop windows inside the image and random flips."""
     cfg = params.pretrain
     generator = torch.Generator().manual_seed(params.seed)
-    return [
-        {
-            "image": torch.randn(cfg.batch_size, 3, cfg.img_size, cfg.img_size, generator=generator),
-            "label": torch.randint(NUM_CLASSES, (cfg.batch_size,), generator=generator),
-        }
-        for _ in range(count)
-    ]
+    batches = []
+    for step in range(count):
+        size = torch.rand(cfg.batch_size, 2, generator=generator) * 0.7 + 0.3
+        top_left = torch.rand(cfg.batch_size, 2, generator=generator) * (1 - size)
+        batches.append(
+            {
+                "image": torch.randn(cfg.batch_size, 3, cfg.img_size, cfg.img_size, generator=generator),
+                "label": torch.randint(NUM_CLASSES, (cfg.batch_size,), generator=generator),
+                "index": torch.arange(step * cfg.batch_size, (step + 1) * cfg.batch_size),
+                "window": torch.cat([top_left, size], dim=1),
+                "flip": torch.rand(cfg.batch_size, generator=generator) < 0.5,
+            }
+        )
+    return batches
 
 
-def new_model(params: Params) -> torch.nn.Module:
+def random_token_labels(directory: Path, records: int, seed: int) -> TokenLabelStore:
+    """A store of random teacher maps (distinct top-k classes per cell) for `records` records."""
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(records, TOP_K, TEACHER_GRID, TEACHER_GRID, generator=generator).sort(dim=1, descending=True)
+    classes = torch.rand(records, NUM_CLASSES, TEACHER_GRID, TEACHER_GRID, generator=generator).argsort(dim=1)
+    write_store(directory, logits.values.numpy(), classes[:, :TOP_K].numpy(), num_classes=NUM_CLASSES)
+    return TokenLabelStore(directory, records=records, num_classes=NUM_CLASSES)
+
+
+def new_model(params: Params, mix_token: bool = False) -> torch.nn.Module:
     seed_everything(params.seed, CPU)
-    return models.build_model(params.model, num_classes=NUM_CLASSES, img_size=params.pretrain.img_size)
+    return models.build_model(
+        params.model, num_classes=NUM_CLASSES, img_size=params.pretrain.img_size, mix_token=mix_token
+    )
+
+
+TOKEN_LABEL_ROW = "Trainer step + token labels + MixToken"
+
+
+def token_grid(params: Params) -> int:
+    return params.pretrain.img_size // params.model.patch_size // 2  # VOLO pools the stem's grid by 2
 
 
 class CpuTimed:
@@ -113,12 +151,23 @@ class InMemoryLoader:
         return len(self.batches)
 
 
-def new_trainer(params: Params, batches: list[dict[str, torch.Tensor]], scratch: Path) -> Trainer:
+def new_trainer(
+    params: Params,
+    batches: list[dict[str, torch.Tensor]],
+    scratch: Path,
+    *,
+    token_labels: TokenLabelStore | None = None,
+    mix_token: bool = False,
+) -> Trainer:
     loader = InMemoryLoader(batches)
+    objective = None
+    if token_labels is not None:
+        objective = losses.TokenLabelObjective(token_labels, label_smoothing=params.pretrain.label_smoothing)
     return Trainer(
-        stage="bench", params=params, cfg=params.pretrain, model=new_model(params), classes=[str(i) for i in range(NUM_CLASSES)],
-        train_loader=loader, val_loader=loader, runtime=CPU, param_sections=("pretrain",), data_digest="random",
-        checkpoint_dir=scratch, model_file=scratch / "model.pt", metrics_dir=scratch,
+        stage="bench", params=params, cfg=params.pretrain, model=new_model(params, mix_token),
+        classes=[str(i) for i in range(NUM_CLASSES)], train_loader=loader, val_loader=loader, runtime=CPU,
+        param_sections=("pretrain",), data_digest="random", checkpoint_dir=scratch, model_file=scratch / "model.pt",
+        metrics_dir=scratch, objective=objective,
     )
 
 
@@ -157,9 +206,15 @@ def report(
         for name, values in rates.items()
     ]
     ratio, cpu_ratio = medians["Trainer step"] / bare, cpu_medians["Trainer step"] / cpu_bare
+    token_label_cost = 1 - medians[TOKEN_LABEL_ROW] / medians["Trainer step"]
     goals = [
         goal(f"Trainer step >= {GOAL_VS_BARE}x bare loop", ratio >= GOAL_VS_BARE, f"{ratio:.3f}x wall clock"),
         goal("same per CPU-second", cpu_ratio >= GOAL_VS_BARE, f"{cpu_ratio:.3f}x"),
+        goal(
+            f"token labels + MixToken cost <= {GOAL_TOKEN_LABEL_COST:.0%} of the Trainer step",
+            token_label_cost <= GOAL_TOKEN_LABEL_COST,
+            f"{token_label_cost:.1%}",
+        ),
     ]
     model, cfg = params.model, params.pretrain
     text = "\n".join(
@@ -169,7 +224,9 @@ def report(
             f"Train steps, fp32 CPU, {args.threads} threads: VOLO layers {list(model.layers)}, dims {list(model.embed_dims)}, "
             f"patch {model.patch_size}, {cfg.img_size} px, batch {cfg.batch_size}, AdamW, label smoothing "
             f"{cfg.label_smoothing}; {args.steps} steps per call on pre-loaded random tensors, median of "
-            f"{args.repeats} interleaved calls after a warm-up call.",
+            f"{args.repeats} interleaved calls after a warm-up call. Token labels: top-{TOP_K} teacher maps on a "
+            f"{TEACHER_GRID} x {TEACHER_GRID} grid, the model's "
+            f"{token_grid(params)} x {token_grid(params)} tokens.",
             "",
             markdown_table(
                 ["variant", "img/s (median)", "x bare loop", "img/s range", "img/CPU-s (median)", "x bare loop (CPU)"],
@@ -177,7 +234,6 @@ def report(
             ),
             "",
             "Goals: " + "; ".join(goals) + ".",
-            "Not measured yet: token labeling and MixToken rows (the Trainer has neither; a later issue adds them).",
         ]
     )
     raw = {"median_img_per_s": medians, "img_per_s": rates, "img_per_cpu_s": cpu_rates, "goals": goals}
@@ -187,13 +243,21 @@ def report(
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
-    params = parse_params({})  # the schema defaults = params.yaml's model and pretrain sections
+    # The schema defaults = params.yaml's model and pretrain sections.
+    params = parse_params({"model": {"patch_size": args.patch_size}} if args.patch_size else {})
     batches = random_batches(params, args.steps)
     with tempfile.TemporaryDirectory(prefix="coarse2fine-bench-") as scratch:
+        store = random_token_labels(Path(scratch) / "token_labels", args.steps * params.pretrain.batch_size, params.seed)
         variants = {
             "bare loop": CpuTimed(BareLoop(params, batches)),
             "Trainer step": CpuTimed(TrainerSteps(new_trainer(params, batches, Path(scratch)))),
             "Trainer epoch": CpuTimed(TrainerEpoch(new_trainer(params, batches, Path(scratch)))),
+            "Trainer step + token labels": CpuTimed(
+                TrainerSteps(new_trainer(params, batches, Path(scratch), token_labels=store))
+            ),
+            TOKEN_LABEL_ROW: CpuTimed(
+                TrainerSteps(new_trainer(params, batches, Path(scratch), token_labels=store, mix_token=True))
+            ),
         }
         rates = interleaved(variants, args.repeats)
     cpu_rates = {name: variant.rates[1:] for name, variant in variants.items()}  # without the warm-up call

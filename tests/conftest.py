@@ -10,6 +10,7 @@ import torch
 
 from coarse2fine.config import Params, parse_params
 from coarse2fine.data.convert import convert
+from coarse2fine.data.loaders import build_loader
 from coarse2fine.distributed import Runtime
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -27,6 +28,17 @@ def make_params(**sections: Any) -> Params:
 def cpu_runtime() -> Runtime:
     """A world of one on the CPU, without touching torch.distributed."""
     return Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+
+
+def train_val_loaders(records_dir: Path, params: Params, runtime: Runtime, batch_size: int) -> list:
+    """build_loader's train and val loaders over `records_dir` at 32 px with `params`' loader and augment."""
+    return [
+        build_loader(
+            split, records_dir, img_size=32, batch_size=batch_size, runtime=runtime, loader_cfg=params.loader,
+            augment_cfg=params.augment, crop_pct=1.0, seed=params.seed,
+        )
+        for split in ("train", "val")
+    ]
 
 
 DIGITS_RECORDS_PARAMS = {

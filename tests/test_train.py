@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import PROJECT_ROOT, cpu_runtime, make_params
+from conftest import PROJECT_ROOT, cpu_runtime, make_params, train_val_loaders
 from timm.optim import Lamb
 
 from coarse2fine import distributed, models, train
@@ -228,13 +228,7 @@ def _rank_main(records_dir: str, out_dir: str) -> None:
     out = Path(out_dir)
     params = ddp_params()
     with distributed.session() as runtime:
-        loaders = [
-            build_loader(
-                split, records_dir, img_size=32, batch_size=16, runtime=runtime, loader_cfg=params.loader,
-                augment_cfg=params.augment, crop_pct=1.0, seed=params.seed,
-            )
-            for split in ("train", "val")
-        ]
+        loaders = train_val_loaders(Path(records_dir), params, runtime, batch_size=16)
         train.seed_everything(params.seed, runtime)
         model = models.build_model(params.model, NUM_CLASSES, 32)
         train.Trainer(

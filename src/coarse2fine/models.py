@@ -19,8 +19,11 @@ from coarse2fine.errors import UserError
 from coarse2fine.files import atomic_path
 
 
-def build_model(model_cfg: Model, num_classes: int, img_size: int) -> VOLO:
-    """A randomly initialised VOLO for `img_size` x `img_size` inputs (never downloads weights)."""
+def build_model(model_cfg: Model, num_classes: int, img_size: int, *, mix_token: bool = False) -> VOLO:
+    """A randomly initialised VOLO for `img_size` x `img_size` inputs (never downloads weights).
+
+    `mix_token` turns on MixToken in the training forward only; the weights and `model(x)` are the same.
+    """
     if model_cfg.name == CUSTOM_MODEL:
         return VOLO(
             layers=list(model_cfg.layers),
@@ -31,6 +34,7 @@ def build_model(model_cfg: Model, num_classes: int, img_size: int) -> VOLO:
             img_size=img_size,
             num_classes=num_classes,
             drop_path_rate=model_cfg.drop_path,
+            use_mix_token=mix_token,
         )
     return timm.create_model(
         model_cfg.name,
@@ -38,12 +42,16 @@ def build_model(model_cfg: Model, num_classes: int, img_size: int) -> VOLO:
         num_classes=num_classes,
         drop_path_rate=model_cfg.drop_path,
         img_size=img_size,
+        use_mix_token=mix_token,
     )
 
 
 class TrainOutput(NamedTuple):
     cls_logits: torch.Tensor  # [B, C]: head(class token)
     aux_logits: torch.Tensor  # [B, N, C]: one prediction per token (token labeling's dense targets)
+    # MixToken's box on the token grid, (row1, col1, row2, col2): inside it sample i held sample B-1-i's
+    # tokens (aux_logits are already swapped back). (0, 0, 0, 0) when nothing was mixed.
+    mix_box: tuple[int, int, int, int] = (0, 0, 0, 0)
 
     def merged(self) -> torch.Tensor:
         """[B, C]: exactly what `model(x)` returns at inference (class logits + 0.5 x best token logits)."""
@@ -63,10 +71,9 @@ class TrainForward(nn.Module):
         self.model = model
 
     def forward(self, images: torch.Tensor) -> TrainOutput:
-        # The third item is the MixToken box: (0, 0, 0, 0) while the model has use_mix_token off.
-        cls_features, aux_logits, _ = self.model.forward_train(images)
+        cls_features, aux_logits, box = self.model.forward_train(images)
         cls_logits = self.model.head(self.model.head_drop(cls_features))
-        return TrainOutput(cls_logits, aux_logits)
+        return TrainOutput(cls_logits, aux_logits, tuple(int(edge) for edge in box))
 
 
 MODEL_FILE_KEYS = ("model", "model_cfg", "img_size", "classes", "stage")

@@ -3,7 +3,8 @@
 Per optimizer update: `accum_steps` micro-batches through DDP (gradients all-reduced only on the last one),
 optional clipping, the optimizer step, the per-update LR schedule and the EMA. Per epoch: validation,
 metrics, and a checkpoint that makes a killed run resumable with bit-identical results on CPU.
-The objective is label-smoothed cross-entropy on the ground truth, applied to the logits inference uses.
+The objective (losses.py) is given by the stage: label-smoothed cross-entropy on the ground truth by default,
+or token labeling (with MixToken when the model was built with it).
 
 Checkpoint (`<checkpoint_dir>/last.pt`, rewritten atomically after every epoch, loadable with
 `torch.load(weights_only=True)`):
@@ -39,13 +40,19 @@ from timm.utils import ModelEmaV3, distribute_bn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from coarse2fine import config, distributed, models
+from coarse2fine import config, distributed, losses, models
 from coarse2fine.distributed import Runtime
 from coarse2fine.errors import UserError
 from coarse2fine.evaluate import evaluate
 from coarse2fine.tracking import Tracker, stage_params
 
 CHECKPOINT_FILE = "last.pt"
+
+
+class Objective(Protocol):
+    """`objective(train_forward's output, batch) -> scalar loss` (see losses.py)."""
+
+    def __call__(self, output: models.TrainOutput, batch: dict[str, torch.Tensor]) -> torch.Tensor: ...
 
 
 class Loader(Protocol):
@@ -107,6 +114,7 @@ class Trainer:
         checkpoint_dir: Path,
         model_file: Path,
         metrics_dir: Path,
+        objective: Objective | None = None,
     ):
         self.stage, self.params, self.cfg, self.runtime = stage, params, cfg, runtime
         self.classes = list(classes)
@@ -128,7 +136,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.optimizer, self.lr)
         self.updates_per_epoch = math.ceil(len(train_loader) / cfg.accum_steps)
         self.scheduler = build_scheduler(self.optimizer, cfg, self.updates_per_epoch)
-        self.criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
+        self.objective = objective or losses.GroundTruthObjective(cfg.label_smoothing)
         self.autocast_dtype = runtime.autocast_dtype(cfg.precision)
         # Only fp16 needs loss scaling; a disabled scaler passes everything straight through.
         self.scaler = torch.amp.GradScaler(runtime.device.type, enabled=self.autocast_dtype == torch.float16)
@@ -229,10 +237,7 @@ class Trainer:
         with self.train_forward.no_sync() if skip_sync else contextlib.nullcontext():
             dtype = self.autocast_dtype
             with torch.autocast(self.runtime.device.type, dtype=dtype, enabled=dtype is not None):
-                output = self.train_forward(batch["image"])
-                # Ground-truth objective on the logits inference uses (model(x) = class + 0.5 x best token),
-                # which also gives the aux head a gradient, as DDP requires of every parameter.
-                loss = self.criterion(output.merged(), batch["label"])
+                loss = self.objective(self.train_forward(batch["image"]), batch)
             self.scaler.scale(loss / micro_steps).backward()
         return loss.detach()
 

@@ -1,0 +1,68 @@
+"""Training objectives, each a callable `objective(output, batch) -> loss` for the Trainer.
+
+- `GroundTruthObjective`: label-smoothed cross-entropy on the logits inference uses.
+- `TokenLabelObjective`: token labeling (Jiang et al.): soft cross-entropy of the class logits against the
+  teacher's distribution over the crop (mixed by MixToken's lam when the model mixed tokens) plus, weighted,
+  the mean soft cross-entropy of every token's logits against the teacher's distribution at that token.
+  The token targets need no mixing: the model swaps the mixed tokens' logits back (timm's forward_train).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from coarse2fine.labels.store import TokenLabelStore
+from coarse2fine.labels.targets import token_targets
+from coarse2fine.models import TrainOutput
+
+
+def soft_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean over all leading dimensions of -sum(target * log_softmax(logits)) over the last one."""
+    return -(target * F.log_softmax(logits.float(), dim=-1)).sum(dim=-1).mean()
+
+
+def mix_token_lam(box: tuple[int, int, int, int], token_grid: int) -> float:
+    """The share of each sample's own tokens: 1 - box area / tokens (1.0 for an empty box, no mixing)."""
+    row1, col1, row2, col2 = box
+    return 1.0 - (row2 - row1) * (col2 - col1) / token_grid**2
+
+
+class GroundTruthObjective:
+    def __init__(self, label_smoothing: float):
+        self.criterion = torch.nn.CrossEntropyLoss(label_smoothing=label_smoothing)
+
+    def __call__(self, output: TrainOutput, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        # The logits inference uses (class + 0.5 x best token), which also gives the aux head a gradient, as
+        # DDP requires of every parameter.
+        return self.criterion(output.merged(), batch["label"])
+
+
+class TokenLabelObjective:
+    """Token labeling from a `TokenLabelStore` (looked up by the batch's record indices), on the batch's
+    window and flip. sail-sg/volo's weights by default: cls_weight 1.0, dense_weight 0.5."""
+
+    def __init__(
+        self, store: TokenLabelStore, *, label_smoothing: float, cls_weight: float = 1.0, dense_weight: float = 0.5
+    ):
+        self.store = store
+        self.label_smoothing, self.cls_weight, self.dense_weight = label_smoothing, cls_weight, dense_weight
+
+    def __call__(self, output: TrainOutput, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        device = output.cls_logits.device
+        token_grid = math.isqrt(output.aux_logits.shape[1])
+        logits, classes = self.store.lookup(batch["index"])
+        with torch.autocast(device.type, enabled=False):  # targets in fp32 whatever the model runs in
+            targets = token_targets(
+                logits.to(device), classes.to(device), batch["window"], batch["flip"],
+                num_classes=self.store.num_classes, token_grid=token_grid, smoothing=self.label_smoothing,
+            )
+        cls_target = targets.cls
+        lam = mix_token_lam(output.mix_box, token_grid)
+        if lam < 1.0:  # sample i's crop holds sample B-1-i's tokens inside the box
+            cls_target = lam * cls_target + (1.0 - lam) * cls_target.flip(0)
+        return self.cls_weight * soft_cross_entropy(output.cls_logits, cls_target) + (
+            self.dense_weight * soft_cross_entropy(output.aux_logits, targets.tokens)
+        )

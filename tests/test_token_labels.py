@@ -1,0 +1,195 @@
+"""Token labeling: the label store, the per-batch targets (window, flip, x/y order, smoothing), the loss with
+MixToken, and a real training run with token labels and MixToken on the digits records."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import cpu_runtime, make_params, train_val_loaders
+
+from coarse2fine import losses, models, train
+from coarse2fine.data import records
+from coarse2fine.errors import UserError
+from coarse2fine.labels.store import TokenLabelStore, write_store
+from coarse2fine.labels.targets import token_targets
+
+FULL_WINDOW = torch.tensor([[0.0, 0.0, 1.0, 1.0]])
+NO_FLIP = torch.tensor([False])
+
+
+def one_hot_map(cell_classes: list[list[int]], num_classes: int, logit: float = 20.0):
+    """A [1, 1, s, s] top-1 map: `cell_classes[row][col]` with a large logit in every cell."""
+    classes = torch.tensor(cell_classes).view(1, 1, *np.shape(cell_classes))
+    return torch.full(classes.shape, logit), classes
+
+
+def targets(logits, classes, window=FULL_WINDOW, flip=NO_FLIP, *, num_classes=4, grid=2, smoothing=0.0):
+    return token_targets(
+        logits, classes, window, flip, num_classes=num_classes, token_grid=grid, smoothing=smoothing
+    )
+
+
+# ------------------------------------------------------------------------------------------------------ store
+
+
+def test_store_returns_the_rows_of_the_record_indices(tmp_path):
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(7, 3, 4, 4)).astype(np.float32)
+    classes = rng.integers(0, 1000, size=(7, 3, 4, 4))
+    write_store(tmp_path, logits, classes, num_classes=1000)
+    store = TokenLabelStore(tmp_path, records=7, num_classes=1000)
+    got_logits, got_classes = store.lookup(torch.tensor([5, 0, 5]))
+    assert got_classes.dtype == torch.int64 and store.classes.dtype == np.int16  # integers, not float16
+    assert torch.equal(got_classes, torch.from_numpy(classes[[5, 0, 5]]))
+    torch.testing.assert_close(got_logits, torch.from_numpy(logits[[5, 0, 5]]), atol=1e-2, rtol=1e-3)  # float16
+
+
+def test_store_for_other_records_or_classes_is_a_user_error(tmp_path):
+    write_store(tmp_path, np.zeros((7, 1, 2, 2)), np.zeros((7, 1, 2, 2)), num_classes=10)
+    with pytest.raises(UserError, match=r"7 records .* train split has 8 records"):
+        TokenLabelStore(tmp_path, records=8, num_classes=10)
+    with pytest.raises(UserError, match="over 10 classes, the data has 5"):
+        TokenLabelStore(tmp_path, records=7, num_classes=5)
+    with pytest.raises(UserError, match="not a readable token-label store"):
+        TokenLabelStore(tmp_path / "missing", records=7, num_classes=10)
+
+
+# ---------------------------------------------------------------------------------------------------- targets
+
+
+def test_whole_image_window_gives_each_token_its_cell_and_the_crop_their_mean():
+    logits, classes = one_hot_map([[0, 1], [2, 3]], num_classes=4)
+    result = targets(logits, classes)
+    assert result.tokens.shape == (1, 4, 4) and result.cls.shape == (1, 4)
+    torch.testing.assert_close(result.tokens[0], torch.eye(4), atol=1e-6, rtol=0)  # row-major tokens
+    dense = torch.eye(4).mul(20.0).view(4, 2, 2)  # [C, s, s] of the same map
+    torch.testing.assert_close(result.cls[0], dense.mean(dim=(1, 2)).softmax(-1))
+
+
+def test_window_is_top_left_height_width_not_x_y_swapped():
+    """The top half of a map whose rows differ: every token must come from the top row. With x and y swapped
+    (the reference's bug) the window would be the left half, and half the tokens would come from the bottom."""
+    logits, classes = one_hot_map([[0, 0], [1, 1]], num_classes=2)
+    top_half = torch.tensor([[0.0, 0.0, 0.5, 1.0]])
+    result = targets(logits, classes, top_half, num_classes=2)
+    assert result.tokens[0].argmax(-1).tolist() == [0, 0, 0, 0]
+    right_half = torch.tensor([[0.0, 0.5, 1.0, 0.5]])
+    assert targets(logits, classes, right_half, num_classes=2).tokens[0].argmax(-1).tolist() == [0, 0, 1, 1]
+
+
+def test_flip_mirrors_the_token_targets_not_the_crop_target():
+    logits, classes = one_hot_map([[0, 1], [0, 1]], num_classes=2)
+    plain = targets(logits, classes, num_classes=2)
+    flipped = targets(logits, classes, flip=torch.tensor([True]), num_classes=2)
+    assert plain.tokens[0].argmax(-1).tolist() == [0, 1, 0, 1]
+    assert flipped.tokens[0].argmax(-1).tolist() == [1, 0, 1, 0]
+    torch.testing.assert_close(plain.cls, flipped.cls)
+
+
+def test_token_grid_finer_than_the_map_interpolates_and_smoothing_keeps_distributions():
+    logits, classes = one_hot_map([[0, 1], [2, 3]], num_classes=4)
+    result = targets(logits, classes, grid=4, smoothing=0.1)
+    assert result.tokens.shape == (1, 16, 4)
+    torch.testing.assert_close(result.tokens.sum(-1), torch.ones(1, 16))
+    assert result.tokens.min() >= 0.1 / 4 - 1e-7
+    # The corner tokens sit inside one cell each: that cell's class.
+    assert result.tokens[0, [0, 3, 12, 15]].argmax(-1).tolist() == [0, 1, 2, 3]
+
+
+# ----------------------------------------------------------------------------------------------------- losses
+
+
+def test_soft_cross_entropy_matches_cross_entropy_with_smoothing():
+    logits = torch.randn(6, 5, generator=torch.Generator().manual_seed(0))
+    labels = torch.tensor([0, 1, 2, 3, 4, 0])
+    smoothed = F.one_hot(labels, 5).float() * 0.9 + 0.1 / 5
+    torch.testing.assert_close(
+        losses.soft_cross_entropy(logits, smoothed), F.cross_entropy(logits, labels, label_smoothing=0.1)
+    )
+
+
+@pytest.mark.parametrize("box, lam", [((0, 0, 0, 0), 1.0), ((1, 1, 1, 2), 1.0), ((0, 0, 1, 2), 0.5), ((0, 0, 2, 2), 0.0)])
+def test_mix_token_lam_is_the_share_of_own_tokens(box, lam):
+    assert losses.mix_token_lam(box, token_grid=2) == lam
+
+
+class FixedStore:
+    """A store stand-in over in-memory maps (the real store is tested above)."""
+
+    num_classes = 3
+
+    def __init__(self, logits, classes):
+        self.logits, self.classes = logits, classes
+
+    def lookup(self, index):
+        return self.logits[index], self.classes[index]
+
+
+def test_token_label_loss_mixes_the_class_target_by_the_box_area():
+    batch_size, classes_count = 2, 3
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(batch_size, 2, 2, 2, generator=generator)
+    classes = torch.stack([torch.randperm(classes_count, generator=generator)[:2] for _ in range(8)])
+    classes = classes.view(2, 2, 2, 2).permute(0, 3, 1, 2).contiguous()  # distinct classes per cell
+    objective = losses.TokenLabelObjective(FixedStore(logits, classes), label_smoothing=0.1, dense_weight=0.5)
+    batch = {"index": torch.tensor([0, 1]), "window": FULL_WINDOW.repeat(2, 1), "flip": torch.tensor([False, True])}
+    cls_logits = torch.randn(batch_size, classes_count, generator=generator)
+    aux_logits = torch.randn(batch_size, 4, classes_count, generator=generator)
+    mixed = models.TrainOutput(cls_logits, aux_logits, mix_box=(0, 0, 1, 2))  # half the tokens: lam 0.5
+
+    expected = token_targets(
+        logits, classes, batch["window"], batch["flip"], num_classes=3, token_grid=2, smoothing=0.1
+    )
+    cls_target = 0.5 * expected.cls + 0.5 * expected.cls.flip(0)
+    manual = losses.soft_cross_entropy(cls_logits, cls_target) + 0.5 * losses.soft_cross_entropy(
+        aux_logits, expected.tokens
+    )
+    torch.testing.assert_close(objective(mixed, batch), manual)
+    unmixed = objective(models.TrainOutput(cls_logits, aux_logits), batch)
+    assert not torch.isclose(unmixed, manual)
+
+
+def test_mix_token_model_mixes_in_training_only():
+    params = make_params()
+    torch.manual_seed(0)
+    forward = models.TrainForward(models.build_model(params.model, 10, 64, mix_token=True).train())
+    boxes = [forward(torch.randn(4, 3, 64, 64)).mix_box for _ in range(8)]
+    assert any(losses.mix_token_lam(box, token_grid=4) < 1 for box in boxes)
+    assert all(0 <= edge <= 4 for box in boxes for edge in box)
+
+
+# -------------------------------------------------------------------------------------------- a real training
+
+
+@pytest.mark.slow
+def test_trainer_learns_digits_from_token_labels_with_mix_token(digits_records, tmp_path):
+    """A 'teacher' that knows each train image's class (a high logit for it in every cell, a lower one for
+    the next class): training only on those token labels, with MixToken on, must learn the digits."""
+    labels = np.array(
+        [example["label"] for shard, _ in records.shard_files(digits_records, "train") for example in records.read_shard(shard)]
+    )
+    indices = [example["index"] for shard, _ in records.shard_files(digits_records, "train") for example in records.read_shard(shard)]
+    labels = labels[np.argsort(indices)]
+    grid = 2
+    top_classes = np.stack([labels, (labels + 1) % 10], axis=1)[:, :, None, None].repeat(grid, 2).repeat(grid, 3)
+    top_logits = np.broadcast_to(np.array([8.0, 2.0])[None, :, None, None], top_classes.shape)
+    write_store(tmp_path / "labels", top_logits, top_classes, num_classes=10)
+    store = TokenLabelStore(tmp_path / "labels", records=len(labels), num_classes=10)
+
+    params = make_params(pretrain={"epochs": 10, "batch_size": 32, "optimizer": {"lr_base": 3.2e-2}})
+    runtime = cpu_runtime()
+    loaders = train_val_loaders(digits_records, params, runtime, batch_size=32)
+    train.seed_everything(params.seed, runtime)
+    model = models.build_model(params.model, 10, 32, mix_token=True)
+    metrics = train.Trainer(
+        stage="pretrain", params=params, cfg=params.pretrain, model=model, classes=records.read_classes(digits_records),
+        train_loader=loaders[0], val_loader=loaders[1], runtime=runtime, param_sections=("pretrain",),
+        data_digest="digits", checkpoint_dir=tmp_path / "ckpt", model_file=tmp_path / "model.pt",
+        metrics_dir=tmp_path / "metrics",
+        objective=losses.TokenLabelObjective(store, label_smoothing=params.pretrain.label_smoothing),
+    ).fit()
+    # Measured 87 %: the dense term on VOLO's 2x2 token grid at 32 px slows learning (the class term alone
+    # reaches 98 % like the ground-truth objective; 20 epochs with both reach 96 %). Chance is 10 %.
+    assert metrics["val_top1"] >= 80

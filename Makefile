@@ -26,8 +26,9 @@ repro: setup
 test: setup
 	$(BIN)/python -m pytest
 
+# e.g. make bench BENCH_ARGS="--timm-repo ../pytorch-image-models" (see python bench/run_all.py --help)
 bench: setup
-	$(BIN)/python bench/run_all.py
+	$(BIN)/python bench/run_all.py $(BENCH_ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

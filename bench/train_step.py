@@ -23,13 +23,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 
-from _common import CPU, goal, header_line, interleaved, markdown_table, write_json
+from _common import CPU, CpuTimed, goal, header_line, interleaved, markdown_table, write_json
 from coarse2fine import losses, models
 from coarse2fine.config import Params, parse_params
 from coarse2fine.labels.store import TokenLabelStore, write_store
@@ -96,20 +95,6 @@ TOKEN_LABEL_ROW = "Trainer step + token labels + MixToken"
 
 def token_grid(params: Params) -> int:
     return params.pretrain.img_size // params.model.patch_size // 2  # VOLO pools the stem's grid by 2
-
-
-class CpuTimed:
-    """A variant call that also records its items per CPU-second of this process (first call: the warm-up)."""
-
-    def __init__(self, run: Callable[[], int]):
-        self.run = run
-        self.rates: list[float] = []
-
-    def __call__(self) -> int:
-        started = time.process_time()
-        items = self.run()
-        self.rates.append(items / (time.process_time() - started))
-        return items
 
 
 class BareLoop:

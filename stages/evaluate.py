@@ -16,7 +16,8 @@ from coarse2fine.evaluate import evaluate, write_confusion_matrix_png, write_per
 from coarse2fine.tracking import Tracker
 
 # What this stage reads: evaluate.*, loader.*, and augment.interpolation (the val resize).
-PARAM_SECTIONS = ("evaluate", "loader", "augment")
+# Exactly the keys dvc.yaml lists for this stage (the val loader takes the seed and the interpolation).
+PARAM_SECTIONS = ("seed", "evaluate", "loader", "augment.interpolation")
 
 
 def main(params: Params, args: argparse.Namespace) -> None:

@@ -219,9 +219,11 @@ def test_same_seed_and_epoch_give_identical_batches_and_resume(digits_records, b
     assert indices(first) != indices(second) and set(indices(first)) != set(indices(second))
 
 
-def test_torch_backend_in_process_leaves_the_global_rngs_alone(digits_records):
-    """With workers=0 the per-sample seeding runs in the training process: its RNG streams must not move."""
-    loader = make_loader(digits_records, "train", "torch", augment=FULL_AUGMENT, batch_size=64)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_loading_in_process_leaves_the_global_rngs_alone(digits_records, backend):
+    """Per-sample seeding (random erasing) runs in the training process with torch's workers=0 and on DALI's
+    CPU path (which finishes batches on the host): the process's RNG streams must not move."""
+    loader = make_loader(digits_records, "train", backend, augment=FULL_AUGMENT, batch_size=64)
     torch.manual_seed(7), np.random.seed(7), random.seed(7)
     expected = (torch.rand(3), np.random.rand(3), random.random())
     torch.manual_seed(7), np.random.seed(7), random.seed(7)

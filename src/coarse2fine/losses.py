@@ -12,16 +12,15 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
+from timm.loss import SoftTargetCrossEntropy
 
 from coarse2fine.labels.store import TokenLabelStore
 from coarse2fine.labels.targets import token_targets
 from coarse2fine.models import TrainOutput
 
 
-def soft_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Mean over all leading dimensions of -sum(target * log_softmax(logits)) over the last one."""
-    return -(target * F.log_softmax(logits.float(), dim=-1)).sum(dim=-1).mean()
+# Mean over every leading dimension (samples, and tokens for [B, N, C]) of -sum(target * log_softmax(logits)).
+soft_cross_entropy = SoftTargetCrossEntropy()
 
 
 def mix_token_lam(box: tuple[int, int, int, int], token_grid: int) -> float:

@@ -35,7 +35,8 @@ def write_store(directory: str | Path, logits: np.ndarray, classes: np.ndarray, 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     records, top_k, grid, _ = logits.shape
-    for name, array in ((LOGITS_FILE, logits.astype(np.float16)), (CLASSES_FILE, classes.astype(class_dtype(num_classes)))):
+    arrays = {LOGITS_FILE: logits.astype(np.float16), CLASSES_FILE: classes.astype(class_dtype(num_classes))}
+    for name, array in arrays.items():
         with atomic_path(directory / name) as temporary, open(temporary, "wb") as file:
             np.save(file, array)
     header = {"records": records, "top_k": top_k, "grid": grid, "num_classes": num_classes}

@@ -5,7 +5,8 @@ The records are the library's own conversion of an ImageFolder tree (synthetic p
 --imagefolder names a real tree). Every loader row applies the same train augment: random-resized-crop (the
 project's default scale, ratio and bicubic resize) -> 224 x 224 -> horizontal flip (p 0.5) -> [RandAugment] ->
 normalise, with the same number of threads/workers and batch size. Rows:
-- dali: build_loader(backend="dali"), the CPU pipeline;
+- dali: build_loader(backend="dali") as it runs without a GPU: DALI decodes the crop, torch finishes the batch
+  (see dali_pipeline.HostFinish; bench/loader_profile.py shows why);
 - torch: build_loader(backend="torch"), the DataLoader fallback over the same records;
 - imagefolder: torchvision ImageFolder + PIL + DataLoader on the source tree (RandomResizedCrop, flip, ToTensor,
   Normalize), the usual baseline;

@@ -311,4 +311,12 @@ def test_each_stage_logs_exactly_the_params_dvc_tracks_for_it(stage):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     assert list(module.PARAM_SECTIONS) == dvc_yaml["stages"][stage]["params"]
-    assert stage_params(parse_params({}), module.PARAM_SECTIONS)  # every entry names real params
+    stage_params(parse_params({}), module.PARAM_SECTIONS)  # raises if an entry names no params
+
+
+def test_stage_params_rejects_keys_that_name_no_params():
+    params = parse_params({})
+    assert stage_params(params, ("augment.interpolation",)) == {"augment.interpolation": "bicubic"}
+    for typo in ("augment.interp", "evaluat"):
+        with pytest.raises(ValueError, match=typo):
+            stage_params(params, ("seed", typo))

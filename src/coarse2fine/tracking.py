@@ -79,15 +79,13 @@ def _git_commit() -> str | None:
 def stage_params(params: Params, keys: Sequence[str]) -> dict[str, str]:
     """The flattened params under the listed keys (sections like `evaluate` or dotted keys like
     `augment.interpolation`, as dvc.yaml lists them), as MLflow param strings."""
-    unknown = {key.split(".", 1)[0] for key in keys} - set(Params.model_fields)
-    if unknown:
-        raise ValueError(f"unknown params sections {sorted(unknown)}; known: {list(Params.model_fields)}")
+    flat = flatten(params)
+    matches = {key: [name for name in flat if name == key or name.startswith(key + ".")] for key in keys}
+    unknown = sorted(key for key, names in matches.items() if not names)
+    if unknown:  # a typo here would silently log (and fingerprint checkpoints with) fewer params
+        raise ValueError(f"no params under {unknown}; sections: {list(Params.model_fields)}")
     # MLflow itself truncates values over its 6000-character limit (with a warning).
-    return {
-        name: str(value)
-        for name, value in flatten(params).items()
-        if any(name == key or name.startswith(key + ".") for key in keys)
-    }
+    return {name: str(flat[name]) for names in matches.values() for name in names}
 
 
 class _FileOnlyLive(Live):

@@ -295,6 +295,20 @@ def test_more_shards_than_images_is_a_user_error(tmp_path):
         convert(params, cpu_runtime(), tmp_path / "out")
 
 
+def test_a_failure_that_is_not_the_images_fault_stops_the_run(tmp_path, monkeypatch):
+    """Only decoder errors make a file a "cannot decode" skip; a bug or running out of memory is not a verdict
+    on the image and must not quietly drop it from the data set."""
+    root = build_image_folder(tmp_path / "images")
+
+    def out_of_memory(*args):
+        raise MemoryError
+
+    monkeypatch.setattr("coarse2fine.data.convert._passes_through", out_of_memory)
+    params = make_params(data={"source": "imagefolder", "root": str(root), "convert_workers": 1})
+    with pytest.raises(MemoryError):
+        convert(params, cpu_runtime(), tmp_path / "out")
+
+
 def test_reading_unconverted_records_is_a_user_error(tmp_path):
     with pytest.raises(UserError, match="run the convert stage first"):
         records.shard_files(tmp_path / "records", "train")

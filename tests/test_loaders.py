@@ -1,5 +1,6 @@
 """The loaders on real TFRecords, both backends: batch contract, sharding across ranks (in-process ranks and a real
-2-process torchrun), crop windows and flips against PIL, determinism and resuming.
+2-process torchrun), crop windows and flips against PIL, what RandAugment and random erasing do, EXIF orientation,
+determinism and resuming.
 
 Run as a script (`torchrun --nproc_per_node=2 tests/test_loaders.py RECORDS OUT`), this file is the
 per-rank program of `test_sharding_under_torchrun`.
@@ -25,7 +26,7 @@ from PIL import Image
 from coarse2fine import distributed
 from coarse2fine.data import records
 from coarse2fine.data.convert import convert
-from coarse2fine.data.loaders import IMAGE_MEAN, IMAGE_STD, build_loader, parse_rand_augment
+from coarse2fine.data.loaders import IMAGE_MEAN, IMAGE_STD, build_loader
 from coarse2fine.distributed import Runtime
 from coarse2fine.errors import UserError
 
@@ -150,12 +151,25 @@ def _crop_with_pil(jpeg: bytes, window, flip: bool) -> np.ndarray:
     return np.asarray(crop, dtype=np.float32)
 
 
+def _reproduction_errors(batch: dict[str, torch.Tensor], jpegs: dict[int, bytes]) -> np.ndarray:
+    """Per image, the mean |loader image - its record's JPEG cropped by PIL to the window, flipped by the flag|
+    on 0..255: about 0-1 for an image that is its window's crop (decoder and resampler differences)."""
+    return np.array([
+        np.abs(_crop_with_pil(jpegs[int(index)], window, bool(flip)) - _unnormalised(image)).mean()
+        for image, index, window, flip in zip(batch["image"], batch["index"], batch["window"], batch["flip"])
+    ])
+
+
+def _jpegs(records_dir: Path, split: str) -> dict[int, bytes]:
+    return {index: record["image"] for index, record in split_records(records_dir, split).items()}
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("split", ["train", "val"])
 def test_window_and_flip_reproduce_the_crop(digits_records, backend, split):
     """Cropping the original JPEG with the returned window (and flipping by the flag) gives the loader's image;
     the un-flipped or whole-image alternatives do not. RandAugment and erasing off: they are not geometric."""
-    jpegs = {index: record["image"] for index, record in split_records(digits_records, split).items()}
+    jpegs = _jpegs(digits_records, split)
     augment = {"scale": (0.2, 0.6), "hflip": 0.5}
     # crop_pct 0.875: resize to 36, centre crop 32, so the val window is a real sub-window (1.78 px margins).
     loader = make_loader(digits_records, split, backend, batch_size=32, augment=augment, crop_pct=0.875)
@@ -232,14 +246,90 @@ def test_loading_in_process_leaves_the_global_rngs_alone(digits_records, backend
     assert torch.equal(actual[0], expected[0]) and np.array_equal(actual[1], expected[1]) and actual[2] == expected[2]
 
 
-def test_rand_augment_spec_is_parsed_like_timm_and_checked():
-    spec = parse_rand_augment("rand-m9-mstd0.5-inc1")
-    assert (spec.num_ops, spec.magnitude, spec.magnitude_std, spec.increasing) == (2, 9, 0.5, True)
-    assert parse_rand_augment("rand-n3-m7").num_ops == 3 and not parse_rand_augment("rand-n3-m7").increasing
-    assert parse_rand_augment("") is None
-    for bad in ("rand-m11", "rand-m9-p0.3", "rand-m9.5", "randx-m9"):
-        with pytest.raises(UserError, match="augment.rand_augment"):
-            parse_rand_augment(bad)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rand_augment_recolours_a_clear_share_of_the_crops(digits_records, backend):
+    """Without RandAugment every train image is its window's crop (test_window_and_flip_reproduce_the_crop). With
+    it, each of the n=2 draws is one of 9 colour ops or one of as many identities: about a quarter of the images
+    draw two identities and stay their window's crop, most of the others are recoloured far beyond decoder noise
+    (measured: about 55 % above 10 on 0..255, on both backends)."""
+    augment = {"hflip": 0.5, "rand_augment": "rand-m9-mstd0.5-inc1"}
+    batch = next(iter(make_loader(digits_records, "train", backend, batch_size=64, augment=augment)))
+    errors = _reproduction_errors(batch, _jpegs(digits_records, "train"))
+    assert (errors > 10).mean() > 1 / 3, np.round(errors, 1)
+    assert (errors < 2).mean() > 1 / 10, np.round(errors, 1)  # untouched draws: the crop itself is unchanged
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_random_erasing_fills_one_rectangle_with_noise(digits_records, backend):
+    """reprob=1 against reprob=0, same records and seed: every image differs in exactly one rectangle of
+    2 %..1/3 of its area (timm's range, up to rounding), filled with N(0, 1) noise in normalised units (timm's
+    pixel mode); windows, flips and every other pixel are unchanged."""
+    kept, erased = (
+        next(iter(make_loader(digits_records, "train", backend, batch_size=64, augment={"hflip": 0.5, "reprob": p})))
+        for p in (0.0, 1.0)
+    )
+    for key in ("index", "window", "flip"):
+        assert torch.equal(kept[key], erased[key]), key
+    noise = []
+    for image, changed in zip(erased["image"], (kept["image"] != erased["image"]).any(dim=1)):
+        rows, cols = changed.any(dim=1).nonzero()[:, 0], changed.any(dim=0).nonzero()[:, 0]
+        assert len(rows) > 0, "an image without an erased rectangle"
+        box = (slice(int(rows[0]), int(rows[-1]) + 1), slice(int(cols[0]), int(cols[-1]) + 1))
+        assert changed[box].all() and changed.sum() == changed[box].sum(), "the changed pixels are not one rectangle"
+        assert 0.015 < changed.float().mean() < 0.4
+        noise.append(image[:, box[0], box[1]].flatten())
+    noise = torch.cat(noise)
+    assert abs(noise.mean()) < 0.1 and 0.9 < noise.std() < 1.1, (noise.mean(), noise.std())
+
+
+EXIF_ORIENTATION_TAG = 0x0112
+EXIF_HEIGHT, EXIF_WIDTH = 32, 48
+
+
+@pytest.fixture(scope="module")
+def exif_rotated_records(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Records of 48 x 32 (W x H) JPEGs tagged EXIF Orientation 6 ("rotate 90 degrees clockwise to display"),
+    passed through byte for byte by convert. Red marks the left half, green grows downwards and blue rightwards,
+    so every window has its own content and the rotated reading differs everywhere."""
+    pixels = np.zeros((EXIF_HEIGHT, EXIF_WIDTH, 3), np.uint8)
+    pixels[:, : EXIF_WIDTH // 2, 0] = 230
+    pixels[..., 1] = np.linspace(0, 255, EXIF_HEIGHT)[:, None]
+    pixels[..., 2] = np.linspace(0, 255, EXIF_WIDTH)[None, :]
+    exif = Image.Exif()
+    exif[EXIF_ORIENTATION_TAG] = 6
+    root = tmp_path_factory.mktemp("exif_images")
+    for split, count in (("train", 8), ("val", 4)):
+        (root / split / "a").mkdir(parents=True)
+        for number in range(count):
+            Image.fromarray(pixels).save(root / split / "a" / f"{number}.jpg", quality=95, exif=exif)
+    records_dir = tmp_path_factory.mktemp("exif_records")
+    data = {"source": "imagefolder", "root": str(root), "train_shards": 1, "val_shards": 1, "convert_workers": 1}
+    manifest = convert(make_params(data=data), cpu_runtime(), records_dir)
+    assert [manifest["splits"][split]["passed_through"] for split in records.SPLITS] == [8, 4]
+    return records_dir
+
+
+def test_both_backends_ignore_exif_orientation(exif_rotated_records):
+    """The ImageNet convention (PIL, torchvision, timm, the TF reference): pixels as stored, EXIF orientation
+    ignored, in the records' width/height, in val images and windows, and in the train crop windows, on both
+    backends (DALI's decoders would rotate by default)."""
+    stored = split_records(exif_rotated_records, "val")
+    assert {(record["height"], record["width"]) for record in stored.values()} == {(EXIF_HEIGHT, EXIF_WIDTH)}
+    val = {backend: next(iter(make_loader(exif_rotated_records, "val", backend, batch_size=4))) for backend in BACKENDS}
+    # crop_pct 1: the shorter side stays 32, the centre 32 columns of 48 are kept.
+    centre = torch.tensor([0.0, 8 / EXIF_WIDTH, 1.0, 32 / EXIF_WIDTH])
+    for backend, batch in val.items():
+        assert torch.allclose(batch["window"], centre.expand(4, 4)), backend
+        assert _reproduction_errors(batch, _jpegs(exif_rotated_records, "val")).max() < 2, backend
+    assert (val["dali"]["image"] - val["torch"]["image"]).abs().mean() < 0.02
+    train_jpegs = _jpegs(exif_rotated_records, "train")
+    for backend in BACKENDS:
+        loader = make_loader(
+            exif_rotated_records, "train", backend, batch_size=4, augment={"scale": (0.2, 0.6), "hflip": 0.5}
+        )
+        batches = [batch for number in range(2) for batch in epoch(loader, number)]
+        errors = np.concatenate([_reproduction_errors(batch, train_jpegs) for batch in batches])
+        assert errors.max() < 2, (backend, np.round(errors, 1))
 
 
 def test_a_batch_larger_than_a_ranks_share_is_a_user_error(odd_records):

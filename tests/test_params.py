@@ -1,5 +1,6 @@
 """The params schema: the shipped file is valid, and each kind of user mistake is one line naming the key."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -7,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from coarse2fine.config import ParamsError, flatten, load_params, parse_params, scaled_lr
+from coarse2fine.config import ParamsError, RandAugmentSpec, flatten, load_params, parse_params, scaled_lr
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -91,6 +92,52 @@ def test_stage_exits_2_with_one_line_before_heavy_work(tmp_path):
         f"error: {params}: pretrain.optimizer.lr_base: Input should be greater than 0 (got -0.1)"
     ]
     assert not (tmp_path / "out").exists()
+
+
+RAND_AUGMENT_SUPPORTED = "(supported: rand-m<0..10>-n<ops>-mstd<float>-inc<0|1>)"
+# augment.rand_augment value -> the message after the params file's name.
+BAD_RAND_AUGMENT = {
+    "rand-m12": "augment.rand_augment: magnitude m12 in 'rand-m12' is above timm's maximum 10",
+    "rand-m9-p0.3": f"augment.rand_augment: cannot use 'p0.3' in 'rand-m9-p0.3' {RAND_AUGMENT_SUPPORTED}",
+    "randaug-m9": f"augment.rand_augment: cannot use 'randaug' in 'randaug-m9' {RAND_AUGMENT_SUPPORTED}",
+    "rand-m9.5": f"augment.rand_augment: cannot use 'm9.5' in 'rand-m9.5' {RAND_AUGMENT_SUPPORTED}",
+}
+
+
+def check_params(params: Path) -> tuple[int, list[str]]:
+    """`python -m coarse2fine.cli PARAMS` (the check each stage runs before its workers): exit code, stderr lines."""
+    result = subprocess.run(
+        [sys.executable, "-m", "coarse2fine.cli", str(params)],
+        capture_output=True, text=True, cwd=params.parent, timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+    )
+    return result.returncode, result.stderr.strip().splitlines()
+
+
+@pytest.mark.parametrize("spec", BAD_RAND_AUGMENT)
+def test_params_check_rejects_what_the_loaders_cannot_honour(tmp_path, spec):
+    """augment.rand_augment is parsed fully by the schema: one line naming the key, exit 2."""
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump(with_change("augment.rand_augment", spec)))
+    assert check_params(params) == (2, [f"error: {params}: {BAD_RAND_AUGMENT[spec]}"])
+
+
+def test_rand_augment_is_parsed_once_in_the_schema(tmp_path):
+    """The YAML value stays the string (a DVC param, logged as is); the parsed spec, with timm's defaults for
+    what the string leaves out, comes with the validated params."""
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump(with_change("augment.rand_augment", "rand-m9-mstd0.5-inc1")))
+    assert check_params(params) == (0, [])
+    augment = parse_params(with_change("augment.rand_augment", "rand-m9-mstd0.5-inc1")).augment
+    assert augment.rand_augment == "rand-m9-mstd0.5-inc1"
+    assert augment.rand_augment_spec == RandAugmentSpec(
+        text="rand-m9-mstd0.5-inc1", num_ops=2, magnitude=9, magnitude_std=0.5, increasing=True
+    )
+    assert parse_params(with_change("augment.rand_augment", "rand-n3")).augment.rand_augment_spec == RandAugmentSpec(
+        text="rand-n3", num_ops=3, magnitude=10, magnitude_std=0.0, increasing=False
+    )
+    assert parse_params(with_change("augment.rand_augment", "")).augment.rand_augment_spec is None
+    assert flatten(parse_params(with_change("augment.rand_augment", "rand-m7")))["augment.rand_augment"] == "rand-m7"
 
 
 def test_flatten_and_lr_scaling():

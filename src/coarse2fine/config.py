@@ -8,11 +8,12 @@ any heavy work. Modules receive the typed objects below and never read params.ya
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from coarse2fine.errors import UserError
 
@@ -72,6 +73,54 @@ class Loader(Section):
     prefetch: int = Field(2, gt=0)
 
 
+# timm's RandAugment levels run 0..10 (its _LEVEL_DENOM), which is also its default magnitude.
+MAX_RAND_AUGMENT_MAGNITUDE = 10
+RAND_AUGMENT_SYNTAX = "rand-m<0..10>-n<ops>-mstd<float>-inc<0|1>"
+_RAND_AUGMENT_SECTION = re.compile(r"mstd(?P<mstd>\d+(?:\.\d+)?)|inc(?P<inc>[01])|m(?P<m>\d+)|n(?P<n>\d+)")
+
+
+@dataclass(frozen=True)
+class RandAugmentSpec:
+    """A timm-style spec "rand-m9-n2-mstd0.5-inc1", parsed; defaults are timm's."""
+
+    text: str
+    num_ops: int = 2
+    magnitude: int = MAX_RAND_AUGMENT_MAGNITUDE
+    magnitude_std: float = 0.0
+    increasing: bool = False
+
+
+def parse_rand_augment(text: str) -> RandAugmentSpec | None:
+    """None for "" (off). Only the options both loader backends honour; anything else is a ValueError."""
+    if not text:
+        return None
+    name, *sections = text.split("-")
+    if name != "rand":
+        raise _unsupported(name, text)
+    values: dict[str, str] = {}
+    for section in sections:
+        match = _RAND_AUGMENT_SECTION.fullmatch(section)
+        if match is None:
+            raise _unsupported(section, text)
+        values.update((key, value) for key, value in match.groupdict().items() if value is not None)
+    spec = RandAugmentSpec(
+        text=text,
+        num_ops=int(values.get("n", 2)),
+        magnitude=int(values.get("m", MAX_RAND_AUGMENT_MAGNITUDE)),
+        magnitude_std=float(values.get("mstd", 0.0)),
+        increasing=values.get("inc") == "1",
+    )
+    if spec.magnitude > MAX_RAND_AUGMENT_MAGNITUDE:
+        raise ValueError(
+            f"magnitude m{spec.magnitude} in {text!r} is above timm's maximum {MAX_RAND_AUGMENT_MAGNITUDE}"
+        )
+    return spec
+
+
+def _unsupported(part: str, text: str) -> ValueError:
+    return ValueError(f"cannot use {part!r} in {text!r} (supported: {RAND_AUGMENT_SYNTAX})")
+
+
 class Augment(Section):
     scale: tuple[float, float] = (0.35, 1.0)  # random-resized-crop area fraction
     ratio: tuple[float, float] = (0.75, 4 / 3)  # random-resized-crop aspect ratio
@@ -79,6 +128,8 @@ class Augment(Section):
     rand_augment: str = ""  # timm-style spec, e.g. "rand-m9-mstd0.5-inc1"; "" turns it off
     reprob: float = Field(0.0, ge=0, le=1)  # random erasing probability (pixel mode)
     interpolation: Literal["bilinear", "bicubic"] = "bicubic"
+    # rand_augment parsed once, here: the params check then catches what the loaders could not honour.
+    _rand_augment_spec: RandAugmentSpec | None = PrivateAttr(None)
 
     @model_validator(mode="after")
     def _ranges(self) -> Augment:
@@ -88,9 +139,16 @@ class Augment(Section):
                 raise ValueError(f"{name}: must be 0 < low <= high (got [{low}, {high}])")
         if self.scale[1] > 1:
             raise ValueError(f"scale: upper bound must be <= 1 (got {self.scale[1]})")
-        if self.rand_augment and not self.rand_augment.startswith("rand-"):
-            raise ValueError(f"rand_augment: expected a spec like 'rand-m9-mstd0.5-inc1' (got {self.rand_augment!r})")
+        try:
+            self._rand_augment_spec = parse_rand_augment(self.rand_augment)
+        except ValueError as error:
+            raise ValueError(f"rand_augment: {error}") from None
         return self
+
+    @property
+    def rand_augment_spec(self) -> RandAugmentSpec | None:
+        """`rand_augment` parsed; None when it is off."""
+        return self._rand_augment_spec
 
 
 class Model(Section):

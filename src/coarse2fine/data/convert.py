@@ -39,6 +39,10 @@ PASS_THROUGH_MODES = frozenset({"RGB", "L"})
 PASS_THROUGH_FRAMES = frozenset({0xC0, 0xC1, 0xC2})
 NOT_FRAME_MARKERS = frozenset({0xC4, 0xC8, 0xCC})  # DHT, JPG, DAC share the 0xC0-0xCF range with the SOFn
 CHUNK_SIZE = 16  # files per task sent to a pool worker: fewer round trips, still a smooth progress bar
+# What PIL raises for bad image data: OSError (truncated data, decoder errors), SyntaxError (broken headers and
+# chunks), ValueError and EOFError (some format plugins), DecompressionBombError. A file that raises one is
+# skipped; anything else (a bug, MemoryError) stops the run.
+DECODE_ERRORS = (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError)
 
 
 @dataclass(frozen=True)
@@ -122,7 +126,7 @@ def _check_file(root: Path, item: tuple[str, SourceFile]) -> Checked:
             return Checked(split, file, action, width, height)
     except UnidentifiedImageError:  # its message names a memory address; keep the manifest reproducible
         return Checked(split, file, "skip", reason="not an image PIL can read")
-    except Exception as error:  # any decoder failure means this file is unusable, not that the run stops
+    except DECODE_ERRORS as error:
         return Checked(split, file, "skip", reason=f"cannot decode: {type(error).__name__}: {error}")
 
 

@@ -13,6 +13,10 @@ On a GPU all of it stays in DALI, on the device. The colour ops then see the cro
 result for the pointwise ops, sharpness's 3x3 kernel acts at the crop's resolution.
 Val: resize the shorter side to floor(S / crop_pct) -> centre crop S (padded if larger) -> normalise.
 
+EXIF orientation is ignored (`adjust_orientation=False` on every decoder and shape peek; DALI's default applies
+it): pixels are taken as stored, the ImageNet convention of PIL, torchvision, timm and the TF reference, and the
+frame of the torch backend, of the width/height in the records and of the crop windows the token labels follow.
+
 RandAugment versus timm (the torch backend runs timm's own): the same colour ops and magnitude levels
 (loaders.RAND_AUGMENT_OPS, 11 bins = timm's levels 0..10, inc1 -> DALI's monotonic suite, inc0 -> its
 non-monotonic one), n ops per image, each applied with probability 0.5 like timm's default (see
@@ -36,18 +40,16 @@ from nvidia.dali import Pipeline, fn, pipeline_def, types
 from nvidia.dali import tfrecord as tfrec
 from nvidia.dali.auto_aug import augmentations, rand_augment
 from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
-from timm.data.random_erasing import RandomErasing
 
-from coarse2fine.config import Augment
+from coarse2fine.config import MAX_RAND_AUGMENT_MAGNITUDE, Augment, RandAugmentSpec
 from coarse2fine.data.loaders import (
     IMAGE_MEAN,
     IMAGE_STD,
-    MAX_RAND_AUGMENT_MAGNITUDE,
     RAND_AUGMENT_OPS,
     LoaderSettings,
-    RandAugmentSpec,
     derive_seed,
     normalise_pixels,
+    random_erasing,
     resized_short_side,
     seeded_global_rngs,
 )
@@ -73,7 +75,7 @@ def decoder_device(settings: LoaderSettings) -> str:
 
 def finishes_on_host(settings: LoaderSettings) -> bool:
     """Train batches leave DALI as decoded crops, finished by `HostFinish` (see the module docstring)."""
-    return settings.mode == "train" and decoder_device(settings) == "cpu"
+    return settings.split == "train" and decoder_device(settings) == "cpu"
 
 
 def read_records(files: list[str], index_files: list[str], shard_id: int, num_shards: int, shuffle: bool):
@@ -89,6 +91,11 @@ def read_records(files: list[str], index_files: list[str], shard_id: int, num_sh
         pad_last_batch=True,
         name=READER_NAME,
     )
+
+
+def stored_shape(encoded):
+    """(height, width) of the image as stored, EXIF orientation ignored like the decoders here."""
+    return fn.peek_image_shape(encoded, adjust_orientation=False)[0:2]
 
 
 def normalise(image, img_size: int, mirror=0):
@@ -122,6 +129,7 @@ def colour_rand_augment(image, spec: RandAugmentSpec):
         image,
         n=spec.num_ops,
         m=spec.magnitude,
+        # DALI's bins run 0..bins-1 over each op's range: 11 bins put magnitude m where timm's level m / 10 is.
         num_magnitude_bins=MAX_RAND_AUGMENT_MAGNITUDE + 1,
     )
 
@@ -148,16 +156,18 @@ def random_erase(image, probability: float, img_size: int):
 
 @pipeline_def(enable_conditionals=True)
 def train_pipeline(
-    files, index_files, shard_id, num_shards, img_size, augment: Augment, rand_spec, device, finish_on_host: bool
+    files, index_files, shard_id, num_shards, img_size, augment: Augment, rand_spec: RandAugmentSpec | None, device,
+    finish_on_host: bool,
 ):
     record = read_records(files, index_files, shard_id, num_shards, shuffle=True)
-    image_hw = fn.peek_image_shape(record["image"])[0:2]
+    image_hw = stored_shape(record["image"])
     crop_anchor, crop_shape = fn.random_crop_generator(
         image_hw, random_area=augment.scale, random_aspect_ratio=augment.ratio
     )
     crop_box = fn.cat(fn.cast(crop_anchor, dtype=types.INT64), fn.cast(crop_shape, dtype=types.INT64))
     image = fn.decoders.image_slice(
-        record["image"], start=crop_anchor, shape=crop_shape, axis_names="HW", device=device, output_type=types.RGB
+        record["image"], start=crop_anchor, shape=crop_shape, axis_names="HW", device=device, output_type=types.RGB,
+        adjust_orientation=False,
     )
     flip = fn.random.coin_flip(probability=augment.hflip)
     if not finish_on_host:
@@ -179,7 +189,7 @@ class HostFinish:
         augment = settings.augment_cfg
         self.size = (settings.img_size, settings.img_size)
         self.mode = augment.interpolation  # "bilinear" | "bicubic": F.interpolate's names too
-        self.erase = RandomErasing(augment.reprob, mode="pixel", device="cpu") if augment.reprob > 0 else None
+        self.erase = random_erasing(augment)
         self.seed = settings.seed
 
     def __call__(self, outputs: tuple, epoch: int) -> dict[str, torch.Tensor]:
@@ -201,8 +211,8 @@ class HostFinish:
 @pipeline_def
 def val_pipeline(files, index_files, shard_id, num_shards, img_size, crop_pct, interpolation, device):
     record = read_records(files, index_files, shard_id, num_shards, shuffle=False)
-    image_hw = fn.peek_image_shape(record["image"])[0:2]
-    image = fn.decoders.image(record["image"], device=device, output_type=types.RGB)
+    image_hw = stored_shape(record["image"])
+    image = fn.decoders.image(record["image"], device=device, output_type=types.RGB, adjust_orientation=False)
     image = fn.resize(
         image, resize_shorter=resized_short_side(img_size, crop_pct), interp_type=INTERPOLATION[interpolation]
     )
@@ -222,7 +232,7 @@ class DaliBackend:
 
     def batches(self, epoch: int) -> Iterator[dict[str, torch.Tensor]]:
         settings, runtime = self._settings, self._settings.runtime
-        training = settings.mode == "train"
+        training = settings.split == "train"
         shard_id = (runtime.rank + epoch) % runtime.world_size if training else runtime.rank
         pipeline = Pipeline.deserialize(
             self._graph(shard_id), seed=derive_seed(settings.seed, epoch, runtime.rank)
@@ -264,9 +274,9 @@ class DaliBackend:
             device=decoder_device(settings),
         )
         with _without_dali_alias_warnings():
-            if settings.mode == "train":
+            if settings.split == "train":
                 return train_pipeline(
-                    augment=settings.augment_cfg, rand_spec=settings.rand_augment,
+                    augment=settings.augment_cfg, rand_spec=settings.augment_cfg.rand_augment_spec,
                     finish_on_host=finishes_on_host(settings), **common,
                 )
             return val_pipeline(crop_pct=settings.crop_pct, interpolation=settings.augment_cfg.interpolation, **common)

@@ -2,10 +2,10 @@
 
 Both backends read the same TFRecord shards and apply the same recipe (docs/contracts.md, "Loaders"); what
 they share lives here so it cannot drift between them: the shard arithmetic, the per-epoch seeds, the
-normalisation constants, the RandAugment spec and op set, and the crop-window maths. A backend yields raw
-batches (image, label, index, image_hw, and for training crop_box + flip); `Loader` turns them into the
-contract's batch (window, flip) on the runtime's device and stops every rank after the same number of
-batches.
+normalisation constants, the RandAugment op set, random erasing and the crop-window maths (the RandAugment spec
+is parsed once, by the params schema: `config.Augment.rand_augment_spec`). A backend yields raw batches (image,
+label, index, image_hw, and for training crop_box + flip); `Loader` turns them into the contract's batch (window,
+flip) on the runtime's device and stops every rank after the same number of batches.
 
 Determinism and resuming: every epoch's stream is a pure function of (seed, epoch, rank, world), so
 `set_epoch(e)` on a fresh loader reproduces epoch e of an uninterrupted run.
@@ -39,7 +39,6 @@ import contextlib
 import itertools
 import math
 import random
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Protocol
@@ -47,6 +46,7 @@ from typing import Iterator, Protocol
 import numpy as np
 import torch
 from timm.data.constants import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from timm.data.random_erasing import RandomErasing
 
 from coarse2fine.config import Augment
 from coarse2fine.config import Loader as LoaderConfig
@@ -56,9 +56,6 @@ from coarse2fine.errors import UserError
 
 IMAGE_MEAN = IMAGENET_DEFAULT_MEAN
 IMAGE_STD = IMAGENET_DEFAULT_STD
-# timm's RandAugment levels run 0..10 (its _LEVEL_DENOM); DALI's magnitude bins are 0..bins-1, so 11 bins put
-# the same magnitude on the same level (bin / 10 of each op's range, as timm's level / 10).
-MAX_RAND_AUGMENT_MAGNITUDE = 10
 # The colour ops of timm's RandAugment set, which DALI's auto_aug provides too. Left out: Rotate, ShearX/Y,
 # TranslateX/YRel (they would misplace the token labels, see the module docstring) and Posterize: timm 1.0.31
 # asks Pillow for 0 bits at high magnitudes (m10, or m9 plus mstd noise), which Pillow 13 rejects with a
@@ -74,46 +71,6 @@ RAND_AUGMENT_OPS = (
     "brightness",
     "sharpness",
 )
-
-
-@dataclass(frozen=True)
-class RandAugmentSpec:
-    """A timm-style spec "rand-m9-n2-mstd0.5-inc1", parsed; defaults are timm's."""
-
-    text: str
-    num_ops: int = 2
-    magnitude: int = MAX_RAND_AUGMENT_MAGNITUDE
-    magnitude_std: float = 0.0
-    increasing: bool = False
-
-
-_RAND_AUGMENT_SECTION = re.compile(r"mstd(?P<mstd>\d+(?:\.\d+)?)|inc(?P<inc>[01])|m(?P<m>\d+)|n(?P<n>\d+)")
-
-
-def parse_rand_augment(text: str) -> RandAugmentSpec | None:
-    """None for "" (off). Only the options both backends honour; anything else is a UserError."""
-    if not text:
-        return None
-    name, *sections = text.split("-")
-    values: dict[str, str] = {}
-    for section in sections:
-        match = _RAND_AUGMENT_SECTION.fullmatch(section)
-        if name != "rand" or match is None:
-            raise UserError(
-                f"augment.rand_augment: cannot use {section if name == 'rand' else name!r} in {text!r} "
-                "(supported: rand-m<0..10>-n<ops>-mstd<float>-inc<0|1>)"
-            )
-        values.update((key, value) for key, value in match.groupdict().items() if value is not None)
-    spec = RandAugmentSpec(
-        text=text,
-        num_ops=int(values.get("n", 2)),
-        magnitude=int(values.get("m", MAX_RAND_AUGMENT_MAGNITUDE)),
-        magnitude_std=float(values.get("mstd", 0.0)),
-        increasing=values.get("inc") == "1",
-    )
-    if spec.magnitude > MAX_RAND_AUGMENT_MAGNITUDE:
-        raise UserError(f"augment.rand_augment: magnitude m{spec.magnitude} in {text!r} is above timm's maximum 10")
-    return spec
 
 
 def derive_seed(*parts: int) -> int:
@@ -148,6 +105,12 @@ def normalise_pixels(pixels: torch.Tensor) -> torch.Tensor:
     sample, collate included."""
     scaled = pixels.to(torch.float32, memory_format=torch.contiguous_format).mul_(1 / 255)
     return scaled.sub_(_NORMALISE_MEAN).div_(_NORMALISE_STD)
+
+
+def random_erasing(augment: Augment) -> RandomErasing | None:
+    """timm's RandomErasing in pixel mode (a box of per-pixel N(0, 1) noise, normalised units) for a normalised
+    CPU image; None when augment.reprob is 0. The torch backend and the DALI backend's host finish use it."""
+    return RandomErasing(augment.reprob, mode="pixel", device="cpu") if augment.reprob > 0 else None
 
 
 def shard_range(num_records: int, shard: int, num_shards: int) -> range:
@@ -206,13 +169,12 @@ class Backend(Protocol):
 class LoaderSettings:
     """Everything a backend needs besides the shard files, computed once here for both backends."""
 
-    mode: str  # train | val
+    split: str  # train | val
     img_size: int
     batch_size: int
     runtime: Runtime
     loader_cfg: LoaderConfig
     augment_cfg: Augment
-    rand_augment: RandAugmentSpec | None
     crop_pct: float
     seed: int
     record_counts: tuple[int, ...]
@@ -231,7 +193,7 @@ class Loader:
         self._settings = settings
         self._epoch = 0
         runtime = settings.runtime
-        if settings.mode == "train":
+        if settings.split == "train":
             self._batches = train_batches_per_rank(settings.num_records, runtime.world_size, settings.batch_size)
             self.num_samples = self._batches * settings.batch_size
         else:
@@ -251,7 +213,7 @@ class Loader:
     def _contract_batch(self, raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         settings = self._settings
         image_hw = raw["image_hw"]
-        if settings.mode == "train":
+        if settings.split == "train":
             crop_box, flip = raw["crop_box"], raw["flip"].to(torch.bool)
         else:
             crop_box = center_crop_box(image_hw, settings.img_size, settings.crop_pct)
@@ -300,13 +262,12 @@ def build_loader(
         raise ValueError(f"split must be one of {records.SPLITS}, got {split!r}")
     shards = records.shard_files(records_dir, split)
     settings = LoaderSettings(
-        mode=split,
+        split=split,
         img_size=img_size,
         batch_size=batch_size,
         runtime=runtime,
         loader_cfg=loader_cfg,
         augment_cfg=augment_cfg,
-        rand_augment=parse_rand_augment(augment_cfg.rand_augment) if split == "train" else None,
         crop_pct=crop_pct,
         seed=seed,
         record_counts=tuple(count_records(shards)),

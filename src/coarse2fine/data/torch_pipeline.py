@@ -27,18 +27,18 @@ from PIL import Image
 from tfrecord import example_pb2
 from tfrecord.reader import extract_feature_dict
 from timm.data.auto_augment import rand_augment_transform
-from timm.data.random_erasing import RandomErasing
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torchvision.transforms import InterpolationMode, RandomResizedCrop
 from torchvision.transforms import v2
 
+from coarse2fine.config import RandAugmentSpec
 from coarse2fine.data import records
 from coarse2fine.data.loaders import (
     RAND_AUGMENT_OPS,
     LoaderSettings,
-    RandAugmentSpec,
     derive_seed,
     normalise_pixels,
+    random_erasing,
     resized_short_side,
     seeded_global_rngs,
     shard_range,
@@ -81,8 +81,9 @@ class TrainTransform:
         self.size = [settings.img_size, settings.img_size]
         self.augment = augment
         self.interpolation = InterpolationMode[augment.interpolation.upper()]
-        self.rand_augment = timm_rand_augment(settings.rand_augment) if settings.rand_augment else None
-        self.erase = RandomErasing(augment.reprob, mode="pixel", device="cpu") if augment.reprob > 0 else None
+        spec = augment.rand_augment_spec
+        self.rand_augment = timm_rand_augment(spec) if spec is not None else None
+        self.erase = random_erasing(augment)
 
     def __call__(self, image: Image.Image) -> dict[str, torch.Tensor]:
         scale, ratio = list(self.augment.scale), list(self.augment.ratio)
@@ -161,7 +162,7 @@ class RecordDataset(Dataset):
         self.counts = settings.record_counts
         self.first_positions = list(itertools.accumulate(self.counts, initial=0))[:-1]
         self.seed = settings.seed
-        self.transform = TrainTransform(settings) if settings.mode == "train" else ValTransform(settings)
+        self.transform = TrainTransform(settings) if settings.split == "train" else ValTransform(settings)
 
     def __len__(self) -> int:
         return sum(self.counts)
@@ -193,7 +194,7 @@ class EpochSampler(Sampler):
 
     def positions(self) -> list[int]:
         settings, runtime = self.settings, self.settings.runtime
-        if settings.mode == "val":
+        if settings.split == "val":
             return list(shard_range(settings.num_records, runtime.rank, runtime.world_size))
         generator = torch.Generator().manual_seed(derive_seed(settings.seed, self.epoch))
         order = torch.randperm(settings.num_records, generator=generator)

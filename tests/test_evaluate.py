@@ -53,13 +53,15 @@ HAND_CLASSES = ["zero", "one", "two", "three", "four", "five"]
 
 
 class FixedLogits(nn.Module):
-    """`model(x)` = a stored row of logits, picked by the sample number carried in x[:, 0]."""
+    """`model(x)` = a stored row of logits, picked by the sample number carried in x[:, 0]; only in eval mode
+    (dropout, drop-path and BatchNorm statistics must be off in evaluation)."""
 
     def __init__(self, logits: torch.Tensor):
         super().__init__()
         self.register_buffer("logits", logits)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
+        assert not self.training, "evaluated in training mode"
         return self.logits[images[:, 0].long()]
 
 
@@ -232,7 +234,7 @@ def test_stage_under_torchrun_counts_every_sample_exactly_once(odd_records, mode
             str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node=2", str(STAGE),
             "--model", str(model_file), "--records", str(odd_records), "--out", str(out),
         ],
-        cwd=tmp_path, env=env, check=True, capture_output=True, text=True,
+        cwd=tmp_path, env=env, check=True, capture_output=True, text=True, timeout=600,
     )
 
     assert sorted(os.listdir(out)) == ["confusion_matrix.png", "metrics.json", "per_class.json"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import make_params
+from torch import nn
 
 from coarse2fine import models
 from coarse2fine.errors import UserError
@@ -15,10 +16,19 @@ def tiny_model(num_classes: int = 10, img_size: int = 32, **model_cfg):
 
 
 def test_volo_custom_follows_the_config():
-    model = tiny_model(num_classes=7, img_size=64, embed_dims=[32, 64, 64, 64], num_heads=[1, 2, 2, 2], patch_size=4)
+    model = tiny_model(
+        num_classes=7, img_size=64, layers=[2, 1, 1, 1], embed_dims=[32, 64, 64, 64], num_heads=[1, 2, 2, 2],
+        mlp_ratio=2.0, patch_size=4, drop_path=0.2,
+    )
     # Stem stride 2 x patch 4: a 64 px image is an 8x8 grid of tokens, the pos_embed grid (NHWC).
     assert model.pos_embed.shape == (1, 8, 8, 64)
     assert model.head.out_features == 7
+    stages = [stage for stage in model.network if isinstance(stage, nn.Sequential)]  # without the downsampling
+    assert [len(stage) for stage in stages] == [2, 1, 1, 1]
+    assert [[block.attn.num_heads for block in stage] for stage in stages] == [[1, 1], [2], [2], [2]]
+    assert {block.mlp.fc1.out_features / block.mlp.fc1.in_features for stage in stages for block in stage} == {2.0}
+    drop_path_rates = [module.drop_prob for module in model.modules() if hasattr(module, "drop_prob")]
+    assert max(drop_path_rates, default=0.0) == pytest.approx(0.2)
     model.eval()
     assert model(torch.randn(3, 3, 64, 64)).shape == (3, 7)
 

@@ -1,12 +1,20 @@
-"""Shared test helpers. Import the plain helpers with `from conftest import make_params, cpu_runtime`."""
+"""Shared test helpers. Import the plain helpers with `from conftest import make_params, cpu_runtime, Project`."""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import yaml
 
 from coarse2fine.config import Params, parse_params
 from coarse2fine.data.convert import convert
@@ -66,3 +74,81 @@ def digits_records(tmp_path_factory: pytest.TempPathFactory) -> Path:
     records_dir = tmp_path_factory.mktemp("digits_records")
     convert(make_params(**DIGITS_RECORDS_PARAMS), cpu_runtime(), records_dir)
     return records_dir
+
+
+def merge(base: dict, change: dict) -> dict:
+    """Nested dict update: `change`'s leaves replace `base`'s, other keys stay."""
+    for key, value in change.items():
+        if isinstance(value, dict):
+            merge(base.setdefault(key, {}), value)
+        else:
+            base[key] = value
+    return base
+
+
+class Project:
+    """A clone-like copy of the project (dvc.yaml, params.yaml, stages/, src/, .dvc/) in `path`, as git + DVC
+    repository, whose commands run with this environment's tools and a store of its own for MLflow.
+
+    Its stages import the copy's src/ (the launcher's PYTHONPATH), so editing the copy's code changes what runs.
+    """
+
+    FILES = ("dvc.yaml", "params.yaml", ".gitignore", ".dvcignore")
+    TREES = ("stages", "src", ".dvc")
+
+    def __init__(self, path: Path):
+        self.path = path
+        path.mkdir(parents=True)
+        for name in self.FILES:
+            shutil.copy(PROJECT_ROOT / name, path / name)
+        for name in self.TREES:
+            ignore = shutil.ignore_patterns("__pycache__", "*.egg-info", "tmp", "cache")
+            shutil.copytree(PROJECT_ROOT / name, path / name, ignore=ignore)
+        self.env = {
+            **os.environ,
+            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+            "DVC_NO_ANALYTICS": "1",
+            "MLFLOW_DISABLE_TELEMETRY": "true",
+            "MLFLOW_TRACKING_URI": f"sqlite:///{path / 'mlflow.db'}",
+        }
+        self.run("git", "init", "-q")
+        self.commit("init")
+
+    def run(self, *args: str, check: bool = True, timeout: float = 900) -> subprocess.CompletedProcess:
+        result = subprocess.run(args, cwd=self.path, env=self.env, capture_output=True, text=True, timeout=timeout)
+        if check and result.returncode:
+            raise AssertionError(f"{' '.join(args)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
+        return result
+
+    def commit(self, message: str) -> None:
+        self.run("git", "add", "-A")
+        self.run("git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", message)
+
+    def repro(self, *args: str) -> set[str]:
+        """Run `dvc repro`; return the stages that actually ran."""
+        return ran_stages(self.run("dvc", "repro", *args).stdout)
+
+    def edit_params(self, change: dict) -> None:
+        path = self.path / "params.yaml"
+        path.write_text(yaml.safe_dump(merge(yaml.safe_load(path.read_text()), change), sort_keys=False))
+
+    def edit_code(self, relative_path: str, old: str, new: str) -> None:
+        path = self.path / relative_path
+        text = path.read_text()
+        assert text.count(old) == 1, f"{old!r} is not once in {relative_path}"
+        path.write_text(text.replace(old, new))
+
+    def metrics(self, stage: str) -> dict:
+        return json.loads((self.path / "metrics" / stage / "metrics.json").read_text())
+
+    def stage_command(self, stage: str) -> str:
+        """The stage's command exactly as `dvc repro` runs it (dvc.yaml's templating rendered by DVC)."""
+        from dvc.repo import Repo
+
+        # DVC resolves dvc.yaml and params.yaml against the working directory, whatever root it is given.
+        with contextlib.chdir(self.path), Repo(str(self.path)) as repo:
+            return repo.stage.collect(stage)[0].cmd
+
+
+def ran_stages(dvc_output: str) -> set[str]:
+    return set(re.findall(r"Running stage '([\w-]+)'", dvc_output))

@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
+import signal
 import sys
+from pathlib import Path
 from typing import Callable
 
 from coarse2fine.config import Params, load_params
 from coarse2fine.errors import UserError
+
+USER_ERROR_EXIT = 2
+# Set by coarse2fine.launch: the directory where a worker leaves its user-error message for the launcher.
+ERROR_DIR_ENV = "COARSE2FINE_ERROR_DIR"
 
 
 def stage_parser(description: str) -> argparse.ArgumentParser:
@@ -20,22 +27,44 @@ def stage_parser(description: str) -> argparse.ArgumentParser:
 def run(main: Callable[[Params, argparse.Namespace], None], parser: argparse.ArgumentParser) -> None:
     """Parse args, validate the whole params file, run `main`; a UserError exits 2 with one clear line."""
     args = parser.parse_args()
+    die_with_the_launcher()
     try:
         params = load_params(args.params)
         main(params, args)
     except UserError as error:
-        # Under torchrun every rank hits the same mistake; one copy of the message is enough.
-        if os.environ.get("RANK", "0") == "0":
-            print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
+        report_user_error(error)
+        sys.exit(USER_ERROR_EXIT)
+
+
+def die_with_the_launcher() -> None:
+    """torchrun starts each worker in a session of its own, so a SIGKILL of torchrun (of `dvc repro`, of a job's
+    process group) would leave the workers training, and writing the checkpoint beside the rerun that resumes
+    from it. On Linux, have the kernel kill this worker when its launcher dies."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() == 1:  # the launcher died before the line above: nobody will collect this worker
+        os._exit(1)
+
+
+def print_user_error(error: UserError) -> None:
+    print(f"error: {error}", file=sys.stderr)
+
+
+def report_user_error(error: UserError) -> None:
+    """Under coarse2fine.launch, leave the message for the launcher, which prints each distinct one once;
+    otherwise print it (under a bare torchrun every rank hits the same mistake: rank 0 speaks for all)."""
+    error_dir = os.environ.get(ERROR_DIR_ENV)
+    rank = os.environ.get("RANK", "0")
+    if error_dir:
+        (Path(error_dir) / f"rank{rank}.txt").write_text(str(error), encoding="utf-8")
+    elif rank == "0":
+        print_user_error(error)
 
 
 def check_params() -> None:
-    """`python -m coarse2fine.cli [params.yaml]`: validate before torchrun starts any worker.
-
-    dvc.yaml runs this ahead of each torchrun command so a bad value stops the stage with one line and
-    exit code 2, instead of every worker failing and torchrun reporting a child failure.
-    """
+    """`python -m coarse2fine.cli [params.yaml]`: validate a params file (one line per mistake, exit 2)."""
     parser = argparse.ArgumentParser(description=check_params.__doc__.splitlines()[0])
     parser.add_argument("params", nargs="?", default="params.yaml")
     run(lambda params, args: None, parser)

@@ -1,0 +1,107 @@
+"""User mistakes, run exactly as dvc.yaml runs each stage (its rendered command, under the launcher and torchrun,
+two ranks where it matters): one line naming the key, file or value, exit code 2, no torchrun report."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from coarse2fine import models
+from coarse2fine.config import Model
+from conftest import Project
+
+pytestmark = pytest.mark.slow
+
+
+def class_tree(root: Path, layout: dict[str, list[str]]) -> Path:
+    """root/<split>/<class>/ with one tiny PNG each (an empty list: no folder for the split at all)."""
+    from PIL import Image
+
+    for split, classes in layout.items():
+        for name in classes:
+            (root / split / name).mkdir(parents=True)
+            Image.new("RGB", (8, 8), "white").save(root / split / name / "a.png")
+    return root
+
+
+def empty_class(root: Path) -> Path:
+    class_tree(root, {"train": ["cat", "dog"], "val": ["cat", "dog"]})
+    (root / "train" / "dog" / "a.png").unlink()
+    return root
+
+
+def model_with_other_classes(project: Project) -> None:
+    model_cfg = Model()
+    model = models.build_model(model_cfg, num_classes=10, img_size=32)
+    models.save_model_file(
+        project.path / "models/pretrain/model.pt", model, model_cfg=model_cfg, img_size=32,
+        classes=[f"class {i}" for i in range(10)], stage="pretrain",
+    )
+
+
+# (stage, params change, set-up of files given (project, tmp_path) -> params change, words the line must hold)
+MISTAKES: dict[str, tuple[str, Callable[[Project, Path], dict], list[str]]] = {
+    "missing data root": (
+        "convert", lambda project, tmp: {"data": {"source": "imagefolder", "root": str(tmp / "nowhere")}},
+        ["nowhere", "data root not found"],
+    ),
+    "no val folder": (
+        "convert", lambda project, tmp: {"data": {"source": "imagefolder",
+                                                  "root": str(class_tree(tmp / "tree", {"train": ["cat"]}))}},
+        ["val", "missing"],
+    ),
+    "empty class folder": (
+        "convert", lambda project, tmp: {"data": {"source": "imagefolder", "root": str(empty_class(tmp / "tree"))}},
+        ["train/dog", "empty class folder"],
+    ),
+    "class only in val": (
+        "convert", lambda project, tmp: {"data": {"source": "imagefolder", "root": str(
+            class_tree(tmp / "tree", {"train": ["cat"], "val": ["cat", "dog"]}))}},
+        ["class folders differ", "extra: ['dog']"],
+    ),
+    "more shards than images": (
+        "convert", lambda project, tmp: {"data": {"subset": 0.01, "val_shards": 50}},
+        ["data.val_shards", "50 shards for only 10 val images"],
+    ),
+    "batch larger than a rank's share": (
+        "pretrain", lambda project, tmp: {"pretrain": {"batch_size": 300}},
+        ["batch_size 300", "217 training records each of 2 rank(s)"],
+    ),
+    "model and records classes differ": (
+        "evaluate", lambda project, tmp: model_with_other_classes(project) or {},
+        ["model.pt has 10 classes", "differ at label 0", "'class 0' vs '0'"],
+    ),
+    "rand_augment magnitude above 10": (
+        "pretrain", lambda project, tmp: {"augment": {"rand_augment": "rand-m12"}},
+        ["augment.rand_augment", "m12"],
+    ),
+    "rand_augment option no backend honours": (
+        "pretrain", lambda project, tmp: {"augment": {"rand_augment": "rand-m9-p0.3"}},
+        ["augment.rand_augment", "p0.3"],
+    ),
+}
+
+
+@pytest.mark.parametrize("mistake", sorted(MISTAKES))
+def test_a_user_mistake_is_one_line_and_exit_2(mistake, digits_records, tmp_path):
+    stage, set_up, words = MISTAKES[mistake]
+    project = Project(tmp_path / "project")
+    if stage != "convert":  # what convert made, for the later stages (never written through: convert's output)
+        (project.path / "data").mkdir()
+        (project.path / "data/records").symlink_to(digits_records)
+    project.edit_params({"launch": {"nproc_per_node": 2}, **set_up(project, tmp_path)})
+
+    result = subprocess.run(
+        project.stage_command(stage), shell=True, cwd=project.path, env=project.env,
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    # Progress bars may precede it on stderr; the mistake is the one line after them, said once.
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("error: ")]
+    assert errors == lines[-1:], result.stderr[-3000:]
+    assert all(word in errors[0] for word in words), errors[0]
+    assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr

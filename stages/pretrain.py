@@ -5,11 +5,9 @@ rerun after a crash or kill, it continues from the last finished epoch.
 """
 
 import argparse
-import hashlib
-import json
 from pathlib import Path
 
-from coarse2fine import cli, distributed, models, train
+from coarse2fine import cli, distributed, models, provenance, train
 from coarse2fine.config import Params
 from coarse2fine.data import records
 from coarse2fine.data.loaders import build_loader
@@ -21,8 +19,8 @@ PARAM_SECTIONS = ("seed", "model", "pretrain", "loader", "augment")
 def main(params: Params, args: argparse.Namespace) -> None:
     cfg = params.pretrain
     classes = records.read_classes(args.records)
-    # The manifest lists every shard's sha256: its digest identifies the training data.
-    data_digest = hashlib.sha256(json.dumps(records.read_manifest(args.records), sort_keys=True).encode()).hexdigest()
+    # With the params: what the weights depend on. A checkpoint made from other data or code is not resumed.
+    inputs = {"data_digest": records.manifest_digest(args.records), **provenance.fingerprint(__file__)}
     with distributed.session() as runtime:
         loaders = {
             split: build_loader(
@@ -37,7 +35,7 @@ def main(params: Params, args: argparse.Namespace) -> None:
         train.Trainer(
             stage="pretrain", params=params, cfg=cfg, model=model, classes=classes,
             train_loader=loaders["train"], val_loader=loaders["val"], runtime=runtime,
-            param_sections=PARAM_SECTIONS, data_digest=data_digest,
+            param_sections=PARAM_SECTIONS, provenance=inputs,
             checkpoint_dir=Path(args.checkpoint_dir), model_file=Path(args.out) / "model.pt",
             metrics_dir=Path(args.metrics),
         ).fit()

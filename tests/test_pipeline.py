@@ -1,22 +1,23 @@
-"""The whole pipeline under real DVC in a temporary git repository: caching, reruns, experiments, sources."""
+"""The whole pipeline under real DVC in a temporary git repository: caching, reruns on changed params, code and
+source images, a killed run resumed, experiments running their own code."""
 
 from __future__ import annotations
 
 import json
 import os
-import re
-import shutil
+import signal
 import subprocess
-import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import yaml
 from PIL import Image
 
-ROOT = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
+from conftest import Project, ran_stages
+
 pytestmark = pytest.mark.slow
 
 # Small but real: enough updates to learn (10 epochs x 13 updates of 32 digits), on few images to keep
@@ -25,87 +26,128 @@ FAST = {
     "data": {"subset": 0.3},
     "pretrain": {"epochs": 10, "batch_size": 32, "optimizer": {"lr_base": 0.032}},
 }
-
-
-def merge(base: dict, change: dict) -> dict:
-    for key, value in change.items():
-        if isinstance(value, dict):
-            merge(base.setdefault(key, {}), value)
-        else:
-            base[key] = value
-    return base
-
-
-class Project:
-    def __init__(self, path: Path):
-        self.path = path
-        self.env = {
-            **os.environ,
-            "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
-            "DVC_NO_ANALYTICS": "1",
-            "MLFLOW_DISABLE_TELEMETRY": "true",
-            "MLFLOW_TRACKING_URI": f"sqlite:///{path / 'mlflow.db'}",
-        }
-
-    def run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-        result = subprocess.run(args, cwd=self.path, env=self.env, capture_output=True, text=True, timeout=900)
-        if check and result.returncode:
-            raise AssertionError(f"{' '.join(args)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
-        return result
-
-    def repro(self) -> set[str]:
-        """Run `dvc repro`; return the stages that actually ran."""
-        output = self.run("dvc", "repro").stdout
-        return set(re.findall(r"Running stage '([\w-]+)'", output))
-
-    def edit_params(self, change: dict) -> None:
-        path = self.path / "params.yaml"
-        path.write_text(yaml.safe_dump(merge(yaml.safe_load(path.read_text()), change), sort_keys=False))
-
-    def metrics(self, stage: str) -> dict:
-        return json.loads((self.path / "metrics" / stage / "metrics.json").read_text())
+EVERY_STAGE = {"source", "convert", "pretrain", "evaluate"}
+EPOCHS_TO_KILL = 4
+# A behaviour change in a module pretrain imports (not its script): the default objective stops learning.
+NO_LEARNING = (
+    "src/coarse2fine/losses.py",
+    'return self.criterion(output.merged(), batch["label"])',
+    'return 0.0 * self.criterion(output.merged(), batch["label"])',
+)
+# A change of what evaluate reports, in a module of the library (stage scripts never came from the install).
+SENTINEL_TOP1 = ("src/coarse2fine/evaluate.py", 'return {"top1": self.top1,', 'return {"top1": -1.0,')
 
 
 @pytest.fixture
 def project(tmp_path) -> Project:
     """A fresh clone-like copy of the project (git + DVC initialised), with fast params."""
-    path = tmp_path / "project"
-    path.mkdir()
-    for name in ("dvc.yaml", "params.yaml", ".gitignore", ".dvcignore"):
-        shutil.copy(ROOT / name, path / name)
-    for name in ("stages", "src"):
-        shutil.copytree(ROOT / name, path / name, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
-    shutil.copytree(ROOT / ".dvc", path / ".dvc", ignore=shutil.ignore_patterns("tmp", "cache"))
-    project = Project(path)
+    project = Project(tmp_path / "project")
     project.edit_params(FAST)
-    project.run("git", "init", "-q")
-    project.run("git", "add", "-A")
-    project.run("git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init")
+    project.commit("fast params")
     return project
 
 
-def test_repro_caches_and_reruns_only_what_a_change_affects(project):
-    assert project.repro() == {"convert", "pretrain", "evaluate"}
+def pretrained_weights(project: Project) -> dict[str, torch.Tensor]:
+    return torch.load(project.path / "models/pretrain/model.pt", weights_only=True)["model"]
+
+
+def model_hash(project: Project) -> str:
+    """DVC's hash of the pretrained model directory, as dvc.lock records it."""
+    lock = yaml.safe_load((project.path / "dvc.lock").read_text())
+    return next(out["md5"] for out in lock["stages"]["pretrain"]["outs"] if out["path"] == "models/pretrain")
+
+
+def test_repro_reruns_exactly_what_a_params_or_code_change_affects(project):
+    assert project.repro() == EVERY_STAGE
     evaluated = project.metrics("evaluate")
     assert evaluated["top1"] >= 90.0, evaluated  # chance is 10 %
     assert evaluated["n"] == json.loads((project.path / "data/records/manifest.json").read_text())["splits"]["val"]["images"]
 
-    assert project.repro() == set()  # a second run is a no-op
+    assert project.repro() == {"source"}  # a second run only lists the source, which is unchanged
 
     project.edit_params({"evaluate": {"crop_pct": 0.875}})
-    assert project.repro() == {"evaluate"}
+    assert project.repro() == {"source", "evaluate"}
 
     project.edit_params({"pretrain": {"label_smoothing": 0.0}})
-    assert project.repro() == {"pretrain", "evaluate"}
+    assert project.repro() == {"source", "pretrain", "evaluate"}
+    assert project.metrics("pretrain")["top1"] >= 90.0
+
+    # A behaviour change in a module pretrain imports: models/pretrain_ckpt survives reruns (persist) and holds
+    # the last epoch under the same params, but a checkpoint written by other code must not be resumed.
+    project.edit_code(*NO_LEARNING)
+    assert project.repro() == {"source", "pretrain", "evaluate"}  # the source is unchanged: no convert
+    assert project.metrics("pretrain")["top1"] < 40.0  # trained under the new code, which learns nothing
+    assert project.metrics("evaluate")["top1"] < 40.0
 
     shown = json.loads(project.run("dvc", "metrics", "show", "--json").stdout)
-    assert shown  # dvc sees the declared metrics files
+    (workspace,) = shown.values()  # the only revision shown: the workspace
+    files = workspace["data"]
+    assert files["metrics/evaluate/metrics.json"]["data"]["top1"] == project.metrics("evaluate")["top1"]
+    assert files["metrics/pretrain/metrics.json"]["data"]["top1"] == project.metrics("pretrain")["top1"]
 
     # An experiment with one knob changed, as a user runs it; it sees the same cache.
-    project.run("git", "add", "-A")
-    project.run("git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "params")
+    project.commit("params")
     output = project.run("dvc", "exp", "run", "-S", "evaluate.batch_size=128").stdout
-    assert set(re.findall(r"Running stage '([\w-]+)'", output)) == {"evaluate"}
+    assert ran_stages(output) == {"source", "evaluate"}
+
+
+def test_a_killed_repro_resumes_to_the_uninterrupted_result(project):
+    project.edit_params({"pretrain": {"epochs": EPOCHS_TO_KILL}})
+    assert project.repro() == EVERY_STAGE
+    uninterrupted = pretrained_weights(project), model_hash(project)
+
+    # The same pretrain again from scratch, SIGKILLed (dvc and every process under it) after its first epochs.
+    checkpoint = project.path / "models/pretrain_ckpt/last.pt"
+    checkpoint.unlink()
+    dvc = subprocess.Popen(
+        ["dvc", "repro", "--force", "--single-item", "pretrain"], cwd=project.path, env=project.env,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not checkpoint.exists() or torch.load(checkpoint, weights_only=True)["epoch"] < 2:
+            assert dvc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+    finally:
+        os.killpg(dvc.pid, signal.SIGKILL)
+        dvc.wait(timeout=60)
+    killed_at = torch.load(checkpoint, weights_only=True)["epoch"]
+    assert killed_at < EPOCHS_TO_KILL
+
+    output = project.run("dvc", "repro").stdout
+    assert f"resumed from epoch {killed_at}" in output, output
+    # Bit-identical weights: the model file hashes the same, so DVC leaves evaluate cached.
+    assert ran_stages(output) == {"source", "pretrain"}
+    torch.testing.assert_close(pretrained_weights(project), uninterrupted[0], rtol=0, atol=0)
+    assert model_hash(project) == uninterrupted[1]
+    history = (project.path / "metrics/pretrain/plots/metrics/val_top1.tsv").read_text().splitlines()[1:]
+    assert [int(row.split("\t")[0]) for row in history] == list(range(EPOCHS_TO_KILL))
+
+
+def test_a_queued_experiment_runs_its_own_code(project):
+    """`dvc exp run --queue` snapshots the workspace; its run must import that snapshot's src/, not the
+    workspace's (nor the editable install's)."""
+    project.edit_params({"pretrain": {"epochs": 2}})  # what is trained does not matter here
+    assert project.repro() == EVERY_STAGE
+    project.commit("results")
+    reported = project.metrics("evaluate")["top1"]
+
+    project.edit_code(*SENTINEL_TOP1)
+    project.run("dvc", "exp", "run", "--queue", "--name", "sentinel")
+    project.run("git", "checkout", "--", SENTINEL_TOP1[0])  # the workspace's code reports the truth again
+    # `dvc queue start` returns once its worker is done (the worker holds the output pipe until then).
+    project.run("dvc", "queue", "start")
+    for _ in range(300):
+        if "sentinel" in project.run("dvc", "exp", "list", "--name-only").stdout:
+            break
+        time.sleep(1)
+    shown = json.loads(project.run("dvc", "exp", "show", "--json").stdout)
+    experiments = {
+        experiment["name"]: experiment for baseline in shown for experiment in baseline.get("experiments") or []
+    }
+    results = experiments["sentinel"]["revs"][0]["data"]["metrics"]
+    assert results["metrics/evaluate/metrics.json"]["data"]["top1"] == -1.0
+    assert project.metrics("evaluate")["top1"] == reported  # the workspace is untouched
 
 
 def write_image_tree(root: Path) -> None:
@@ -120,23 +162,36 @@ def write_image_tree(root: Path) -> None:
             folder.mkdir(parents=True)
             images = digits.images[digits.target == label]
             for i in rng.choice(len(images), count, replace=False):
-                pixels = (images[i] * 255 / 16).astype(np.uint8)
-                image = Image.fromarray(pixels).resize((32, 32), Image.Resampling.BICUBIC).convert("RGB")
+                image = digit_image(images[i])
                 suffix = ".png" if i % 3 == 0 else ".jpg"
                 image.save(folder / f"{i}{suffix}")
     (root / "train" / "class 0" / "broken.jpg").write_bytes(b"\xff\xd8\xff\xe0 not really a jpeg")
 
 
-def test_same_pipeline_on_an_imagefolder(project, tmp_path):
-    write_image_tree(tmp_path / "images")
+def digit_image(pixels: np.ndarray) -> Image.Image:
+    grey = Image.fromarray((pixels * 255 / 16).astype(np.uint8))
+    return grey.resize((32, 32), Image.Resampling.BICUBIC).convert("RGB")
+
+
+def test_same_pipeline_on_an_imagefolder_and_a_changed_folder_reruns(project, tmp_path):
+    images = tmp_path / "images"
+    write_image_tree(images)
     project.edit_params({
-        "data": {"source": "imagefolder", "root": str(tmp_path / "images"), "subset": 1.0},
+        "data": {"source": "imagefolder", "root": str(images), "subset": 1.0},
         "pretrain": {"batch_size": 16, "optimizer": {"lr_base": 0.064}},  # 120 images: 7 updates/epoch
     })
-    assert project.repro() == {"convert", "pretrain", "evaluate"}
+    assert project.repro() == EVERY_STAGE
     manifest = json.loads((project.path / "data/records/manifest.json").read_text())
     assert manifest["splits"]["train"]["images"] == 120
     assert [item["reason"] for item in manifest["splits"]["train"]["skipped"]]  # the broken file, with a reason
     assert json.loads((project.path / "data/records/classes.json").read_text()) == ["class 0", "class 1", "class 7"]
     assert project.metrics("evaluate")["n"] == 36
     assert project.metrics("evaluate")["top1"] > 60.0  # chance is 33 %
+
+    assert project.repro() == {"source"}  # the folder is unchanged: nothing else runs
+
+    from sklearn.datasets import load_digits
+
+    digit_image(load_digits().images[0]).save(images / "val" / "class 0" / "added.png")
+    assert project.repro() == EVERY_STAGE
+    assert project.metrics("evaluate")["n"] == 37

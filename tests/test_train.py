@@ -28,6 +28,7 @@ from coarse2fine import distributed, models, train
 from coarse2fine.data import records
 from coarse2fine.data.loaders import build_loader
 from coarse2fine.distributed import Runtime
+from coarse2fine.errors import UserError
 from coarse2fine.evaluate import evaluate
 
 NUM_CLASSES = 10
@@ -61,16 +62,18 @@ def random_batch(size: int, seed: int) -> dict[str, torch.Tensor]:
 
 
 def make_trainer(
-    tmp_path: Path, *, runtime: Runtime | None = None, batches: int = 10, model_seed: int = 0, **pretrain
+    tmp_path: Path, *, runtime: Runtime | None = None, batches: int = 10, model_seed: int = 0,
+    provenance: dict[str, str] | None = None, loader: dict | None = None, **pretrain
 ) -> train.Trainer:
-    params = make_params(pretrain=pretrain)
+    params = make_params(pretrain=pretrain, loader=loader or {})
     torch.manual_seed(model_seed)
     model = models.build_model(params.model, NUM_CLASSES, params.pretrain.img_size)
     loader = ListLoader([None] * batches)
     return train.Trainer(
         stage="pretrain", params=params, cfg=params.pretrain, model=model, classes=[str(i) for i in range(NUM_CLASSES)],
         train_loader=loader, val_loader=loader, runtime=runtime or cpu_runtime(),
-        param_sections=("seed", "model", "pretrain"), data_digest="digits",
+        param_sections=("seed", "model", "pretrain", "loader"),
+        provenance=provenance or {"data_digest": "digits", "code": "abc"},
         checkpoint_dir=tmp_path / "ckpt", model_file=tmp_path / "model" / "model.pt", metrics_dir=tmp_path / "metrics",
     )
 
@@ -143,17 +146,28 @@ def test_accumulated_micro_batches_give_the_big_batch_gradient(tmp_path):
     torch.testing.assert_close(accumulated, whole, rtol=1e-4, atol=1e-7)
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_reduced_precision_updates_with_clipping(tmp_path, precision):
-    trainer = make_trainer(tmp_path, precision=precision, clip_grad=1.0)
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_an_update_steps_with_the_true_gradient_clipped_to_clip_grad(tmp_path, precision):
+    """SGD's first update moves the weights by lr x (1 + momentum) x the gradient it is given (Nesterov, an
+    empty momentum buffer): with clipping, by exactly that x clip_grad; in fp16 only if the scaler's gradients
+    were unscaled before clipping. (Adam's first step is lr x sign(gradient) whatever its norm: no test of it.)"""
+    clip_grad = 1e-2
+    trainer = make_trainer(
+        tmp_path, precision=precision, clip_grad=clip_grad, batch_size=8, schedule={"warmup_epochs": 0},
+        optimizer={"name": "sgd", "lr_base": 128.0, "weight_decay": 0.0},  # lr 128 x 8 / 1024 = 1
+    )
     assert trainer.scaler.is_enabled() == (precision == "fp16")  # loss scaling only where fp16 needs it
-    before = {name: param.clone() for name, param in trainer.model.named_parameters()}
+    before = [param.detach().clone() for param in trainer.model.parameters()]
     loss = trainer.backward(random_batch(8, seed=0), micro_steps=1, sync=True)
-    trainer.optimizer_step()
     assert torch.isfinite(loss)
-    after = dict(trainer.model.named_parameters())
-    assert all(torch.isfinite(param).all() for param in after.values())
-    assert not torch.equal(after["head.weight"], before["head.weight"])
+    gradients = [param.grad for param in trainer.model.parameters()]
+    true_gradient_norm = torch.nn.utils.get_total_norm(gradients) / trainer.scaler.get_scale()
+    assert true_gradient_norm > 10 * clip_grad  # clipping has work to do
+
+    lr, momentum = trainer.optimizer.param_groups[0]["lr"], trainer.cfg.optimizer.momentum
+    trainer.optimizer_step()
+    moves = [param.detach() - old for param, old in zip(trainer.model.parameters(), before)]
+    assert torch.nn.utils.get_total_norm(moves).item() == pytest.approx(lr * (1 + momentum) * clip_grad, rel=1e-3)
 
 
 # ------------------------------------------------------------------------------------------------- checkpoints
@@ -186,6 +200,43 @@ def test_checkpoint_from_other_params_is_not_resumed(tmp_path, capsys):
     assert "pretrain.optimizer.lr_base" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize(
+    ("changed", "named"),
+    [({"provenance": {"data_digest": "digits", "code": "def"}}, "code"),
+     ({"provenance": {"data_digest": "other", "code": "abc"}}, "data_digest"),
+     ({"provenance": {"data_digest": "digits", "code": "abc", "version.torch": "9.9"}}, "version.torch")],
+)
+def test_checkpoint_from_other_code_data_or_libraries_is_not_resumed(tmp_path, capsys, changed, named):
+    make_trainer(tmp_path).save_checkpoint(1, {}, run_id=None)
+    other = make_trainer(tmp_path, **changed)
+    assert other.load_checkpoint() is None and other.start_epoch == 0
+    assert f"written under other {named}" in capsys.readouterr().out
+
+
+def test_loader_speed_knobs_keep_a_checkpoint_resumable(tmp_path):
+    """loader.workers and loader.prefetch change how fast batches come, not which: the run resumes."""
+    make_trainer(tmp_path, loader={"workers": 2, "prefetch": 2}).save_checkpoint(1, {}, run_id=None)
+    resumed = make_trainer(tmp_path, loader={"workers": 0, "prefetch": 4})
+    assert resumed.load_checkpoint() is not None and resumed.start_epoch == 1
+    assert make_trainer(tmp_path, loader={"backend": "torch"}).load_checkpoint() is None
+
+
+def test_a_checkpoint_that_cannot_be_read_for_a_transient_reason_is_not_called_corrupt(tmp_path, monkeypatch):
+    make_trainer(tmp_path).save_checkpoint(1, {}, run_id=None)
+    trainer = make_trainer(tmp_path)
+
+    def failing_load(*args, **kwargs):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(torch, "load", failing_load)
+    with pytest.raises(OSError, match="Input/output error"):  # not a UserError saying "delete it"
+        trainer.load_checkpoint()
+    monkeypatch.undo()
+    trainer.checkpoint_path.write_bytes(trainer.checkpoint_path.read_bytes()[:100])  # truncated: corrupt
+    with pytest.raises(UserError, match="delete it to start afresh"):
+        trainer.load_checkpoint()
+
+
 def test_rerun_after_the_last_epoch_only_writes_the_outputs(tmp_path, monkeypatch):
     """Killed between the last checkpoint and the model file: the rerun trains nothing (its loader would fail if
     iterated) and writes the checkpoint's weights and metrics."""
@@ -196,7 +247,10 @@ def test_rerun_after_the_last_epoch_only_writes_the_outputs(tmp_path, monkeypatc
     assert rerun.fit() == {"val_top1": 97.5, "val_top5": 100.0}
     saved = torch.load(rerun.model_file, weights_only=True)["model"]
     torch.testing.assert_close(saved, finished.model.state_dict(), rtol=0, atol=0)
-    assert json.loads((tmp_path / "metrics" / "metrics.json").read_text()) == {"top1": 97.5, "top5": 100.0}
+    # The last epoch's metrics (in case the killed run had not logged them) and the final summary.
+    assert json.loads((tmp_path / "metrics" / "metrics.json").read_text()) == {
+        "val_top1": 97.5, "val_top5": 100.0, "step": 1, "top1": 97.5, "top5": 100.0,
+    }
 
 
 # ------------------------------------------------------------------------------------------ real runs (slow)
@@ -234,7 +288,7 @@ def _rank_main(records_dir: str, out_dir: str) -> None:
         train.Trainer(
             stage="pretrain", params=params, cfg=params.pretrain, model=model,
             classes=records.read_classes(records_dir), train_loader=loaders[0], val_loader=loaders[1],
-            runtime=runtime, param_sections=("pretrain",), data_digest="digits",
+            runtime=runtime, param_sections=("pretrain",), provenance={"data_digest": "digits"},
             checkpoint_dir=out / "ckpt", model_file=out / "model.pt", metrics_dir=out / "metrics",
         ).fit()
         torch.save(model.state_dict(), out / f"rank{runtime.rank}.pt")
@@ -269,11 +323,13 @@ def test_killed_pretrain_resumes_to_the_uninterrupted_result_and_learns(digits_r
     # Meanwhile: SIGKILL a second run once its first epoch's checkpoint is on disk (while the second epoch trains).
     process = run_pretrain(params_file, digits_records, interrupted)
     checkpoint_file = interrupted / "ckpt" / train.CHECKPOINT_FILE
+    deadline = time.monotonic() + 600
     while not checkpoint_file.exists():
-        assert process.poll() is None, process.communicate()[1][-3000:]
+        assert process.poll() is None, process.communicate(timeout=60)[1][-3000:]
+        assert time.monotonic() < deadline, "no checkpoint after 600 s"
         time.sleep(0.05)
     process.send_signal(signal.SIGKILL)
-    process.communicate()
+    process.communicate(timeout=60)
     killed_at = torch.load(checkpoint_file, weights_only=True)
     assert 1 <= killed_at["epoch"] < LEARNING_PRETRAIN["epochs"]
     assert not (interrupted / "model" / "model.pt").exists()

@@ -115,12 +115,15 @@ def atomic_save(obj: Any, path: str | Path) -> None:
 
 
 def load_file(path: str | Path, what: str, device: torch.device | str = "cpu") -> Any:
-    """torch.load(weights_only=True) of a file the user handed us; any failure is a UserError naming it."""
+    """torch.load(weights_only=True) of a file the user handed us; a missing or corrupt file is a UserError
+    naming it. A failure to read it (an I/O error, no memory) is not the file's fault and propagates as is."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{path}: {what} not found")
     try:
         return torch.load(path, map_location=device, weights_only=True)
+    except (OSError, MemoryError, torch.OutOfMemoryError):
+        raise
     except Exception as error:  # torch raises KeyError, EOFError, RuntimeError, UnpicklingError... for bad files
         raise UserError(f"{path}: not a readable {what} ({type(error).__name__}: {_first_line(error)})") from None
 

@@ -15,10 +15,13 @@ Checkpoint (`<checkpoint_dir>/last.pt`, rewritten atomically after every epoch, 
     model, optimizer, scheduler, scaler, ema    state dicts (ema: None when off)
     rng        one entry per rank: torch / numpy / random (/ cuda) generator states
     run_id     the MLflow run, reopened on resume
-    metrics    the last epoch's metrics (the final summary, should the run die right after the last epoch)
-    inputs     the params the stage reads, the world size and the data digest: a checkpoint written under
-               other inputs is ignored, not resumed, so the outputs stay a function of params and data
-               (DVC keeps the persistent checkpoint dir across reruns caused by a changed param)
+    metrics    the last epoch's metrics: logged after the checkpoint is written, so a resumed run logs them
+               if the killed one did not get to (`Tracker.resume_history`), and the final summary
+    inputs     what the result depends on: the params the stage reads (less those that cannot change it,
+               RESULT_NEUTRAL_PARAMS), the world size, and the stage's `provenance` (the data digest, the
+               hash of the code the stage runs, the library versions). A checkpoint written under other
+               inputs is ignored, not resumed: DVC keeps the checkpoint dir across the reruns a changed
+               param or code file causes, and the outputs must stay a function of what is on disk now.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import math
 import random
 import time
 from pathlib import Path
-from typing import Any, Iterator, Protocol, Sequence
+from typing import Any, Iterator, Mapping, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -47,6 +50,10 @@ from coarse2fine.evaluate import evaluate
 from coarse2fine.tracking import Tracker, stage_params
 
 CHECKPOINT_FILE = "last.pt"
+# Params that change how fast a run goes, never what it computes (each loader's stream is a function of the
+# seed, epoch and rank alone): changing them must not throw away a resumable checkpoint.
+RESULT_NEUTRAL_PARAMS = frozenset({"loader.workers", "loader.prefetch"})
+PROGRESS_EVERY = 10  # steps between updates of the progress bar's loss
 
 
 class Objective(Protocol):
@@ -110,7 +117,7 @@ class Trainer:
         val_loader: Loader,
         runtime: Runtime,
         param_sections: Sequence[str],
-        data_digest: str,
+        provenance: Mapping[str, str],
         checkpoint_dir: Path,
         model_file: Path,
         metrics_dir: Path,
@@ -143,12 +150,12 @@ class Trainer:
         self.ema = ModelEmaV3(self.model, decay=cfg.ema.decay) if cfg.ema.enabled else None
         self.updates = 0
         self.start_epoch = 0
-        # What the run's outcome depends on besides the code: a checkpoint written under anything else is stale.
-        self.run_inputs = {
-            **stage_params(params, self.param_sections),
-            "world_size": str(runtime.world_size),
-            "data_digest": data_digest,
+        # What the run's outcome depends on: a checkpoint written under anything else is stale.
+        result_params = {
+            key: value for key, value in stage_params(params, self.param_sections).items()
+            if key not in RESULT_NEUTRAL_PARAMS
         }
+        self.run_inputs = {**result_params, "world_size": str(runtime.world_size), **provenance}
 
     # ---------------------------------------------------------------------------------------------- the loop
 
@@ -161,6 +168,8 @@ class Trainer:
             self.stage, self.params, self.runtime,
             metrics_dir=self.metrics_dir, param_sections=self.param_sections, resume_run_id=run_id,
         ) as tracker:
+            if checkpoint:
+                tracker.resume_history(checkpoint["epoch"] - 1, checkpoint["metrics"])
             cfg, world = self.cfg, self.runtime.world_size
             self._print(
                 f"lr {self.lr:.4g} = lr_base {cfg.optimizer.lr_base:g} x global batch {self.global_batch} / 1024 "
@@ -170,13 +179,13 @@ class Trainer:
             tracker.set_tag("global_batch", self.global_batch)
             for epoch in range(self.start_epoch, self.cfg.epochs):
                 metrics = self._train_epoch(epoch) | self._validate()
+                self.save_checkpoint(epoch + 1, metrics, tracker.run_id)
                 tracker.log_metrics(metrics, step=epoch)
                 self._print(
                     f"epoch {epoch + 1}/{self.cfg.epochs}: train loss {metrics['train_loss']:.4f}, "
                     f"val top-1 {metrics['val_top1']:.2f} % top-5 {metrics['val_top5']:.2f} %, lr {metrics['lr']:.3g}, "
                     f"{metrics['train_img_per_s']:.0f} img/s, {metrics['epoch_seconds']:.1f} s"
                 )
-                self.save_checkpoint(epoch + 1, metrics, tracker.run_id)
             if self.runtime.is_main:
                 models.save_model_file(
                     self.model_file, self.eval_model,
@@ -212,7 +221,8 @@ class Trainer:
             batch_size = len(batch["label"])
             loss_sum += loss * batch_size
             samples += batch_size
-            batches.set_postfix(loss=f"{loss.item():.3f}", lr=f"{self._current_lr():.2e}", refresh=False)
+            if index % PROGRESS_EVERY == 0:  # loss.item() waits for the GPU: not on every step
+                batches.set_postfix(loss=f"{loss.item():.3f}", lr=f"{self._current_lr():.2e}", refresh=False)
         seconds = time.perf_counter() - start
         if dist.is_initialized():
             # DDP gives every forward rank 0's BatchNorm statistics, but each rank's last forward updated its
@@ -292,6 +302,7 @@ class Trainer:
         if not self.checkpoint_path.exists():
             return None
         # CPU first: RNG states must stay CPU tensors; load_state_dict moves the rest where it belongs.
+        # Only a corrupt file is a UserError (delete it); an I/O error or lack of memory propagates as itself.
         try:
             checkpoint = models.load_file(self.checkpoint_path, "checkpoint")
         except UserError as error:

@@ -1,0 +1,1 @@
+"""The data path: sources -> conversion to TFRecord shards -> loaders (DALI or torch)."""

@@ -112,6 +112,11 @@ def read_manifest(records_dir: str | Path) -> dict:
     return _read_json(Path(records_dir), MANIFEST_FILE)
 
 
+def manifest_digest(records_dir: str | Path) -> str:
+    """Identifies the records: the manifest lists every shard's sha256."""
+    return hashlib.sha256(json.dumps(read_manifest(records_dir), sort_keys=True).encode()).hexdigest()
+
+
 def read_classes(records_dir: str | Path) -> list[str]:
     """Class names; position = label."""
     return _read_json(Path(records_dir), CLASSES_FILE)

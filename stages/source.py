@@ -1,0 +1,26 @@
+"""List the source images (params data.source, data.root) into data/source.json: what convert reads.
+
+dvc.yaml runs this stage at every `dvc repro` (always_changed): it stats every file under the data root, so
+an image added, removed or replaced changes data/source.json and reruns convert and what follows, while an
+unchanged tree writes the same bytes and leaves every later stage cached. It only lists files, so it runs as
+plain `python` (torchrun's start-up would cost more than the listing).
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+from coarse2fine import cli, files
+from coarse2fine.config import Params
+from coarse2fine.data.listing import source_state
+
+
+def main(params: Params, args: argparse.Namespace) -> None:
+    with files.atomic_path(args.out) as temporary:
+        temporary.write_text(json.dumps(source_state(params.data), indent=2) + "\n", encoding="utf-8")
+
+
+if __name__ == "__main__":
+    parser = cli.stage_parser(__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("data/source.json"), help="default: data/source.json")
+    cli.run(main, parser)

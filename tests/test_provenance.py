@@ -1,0 +1,77 @@
+"""Every stage's code deps in dvc.yaml are the files its script imports (transitively, within the package) plus
+the launcher, and the code digest that fingerprints a checkpoint covers them."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from coarse2fine import provenance
+
+ROOT = Path(__file__).resolve().parents[1]
+LAUNCHER = "coarse2fine.launch"
+CODE_DIRS = ("stages/", "src/")
+
+
+def dvc_stages() -> dict[str, dict]:
+    return yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+
+
+def relative(files: list[Path]) -> set[str]:
+    return {path.relative_to(ROOT).as_posix() for path in files}
+
+
+def stage_code(stage: dict) -> set[str]:
+    """What the stage runs: its script's imports, plus the launcher's when the command goes through it."""
+    script = next(word for word in stage["cmd"].split() if word.startswith("stages/"))
+    files = relative(provenance.code_files(ROOT / script))
+    if LAUNCHER in stage["cmd"]:
+        files |= relative(provenance.code_files(ROOT / "src/coarse2fine/launch.py"))
+    return files
+
+
+@pytest.mark.parametrize("name", sorted(dvc_stages()))
+def test_code_deps_are_exactly_what_the_stage_imports(name):
+    stage = dvc_stages()[name]
+    listed = {dep for dep in stage["deps"] if dep.startswith(CODE_DIRS)}
+    expected = stage_code(stage)
+    assert not expected - listed, f"{name}: dvc.yaml misses code deps {sorted(expected - listed)}"
+    assert not listed - expected, f"{name}: dvc.yaml lists code the stage does not import {sorted(listed - expected)}"
+
+
+def test_imports_are_followed_through_modules_packages_and_function_bodies():
+    files = relative(provenance.code_files(ROOT / "stages/pretrain.py"))
+    # Imported by modules the script imports (not by the script), and package __init__ files on the way.
+    for module in ("losses.py", "config.py", "distributed.py", "data/records.py", "labels/targets.py",
+                   "__init__.py", "data/__init__.py", "labels/__init__.py"):
+        assert f"src/coarse2fine/{module}" in files
+    # loaders.py imports its backends inside a function.
+    assert "src/coarse2fine/data/dali_pipeline.py" in relative(provenance.code_files(ROOT / "stages/evaluate.py"))
+    # Nothing the stage cannot run: convert never imports the trainer.
+    assert "src/coarse2fine/train.py" not in relative(provenance.code_files(ROOT / "stages/convert.py"))
+
+
+def test_the_fingerprint_changes_with_the_code_the_process_imports(tmp_path):
+    """Computed in a copy of the tree, as a `dvc exp run` copy computes it: a change there changes it."""
+    def fingerprint(tree: Path) -> dict:
+        program = "import json, sys; from coarse2fine import provenance; print(json.dumps(provenance.fingerprint(sys.argv[1])))"
+        result = subprocess.run(
+            [sys.executable, "-c", program, str(tree / "stages/pretrain.py")],
+            env={"PYTHONPATH": str(tree / "src")}, capture_output=True, text=True, check=True, timeout=120,
+        )
+        return yaml.safe_load(result.stdout)
+
+    tree = tmp_path / "tree"
+    for name in ("stages", "src"):
+        shutil.copytree(ROOT / name, tree / name, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    before = fingerprint(tree)
+    assert before["code"] == provenance.fingerprint(ROOT / "stages/pretrain.py")["code"]
+    assert before["version.torch"] and before["version.timm"]
+    with open(tree / "src/coarse2fine/losses.py", "a") as losses:
+        losses.write("\nSMOOTHING_FLOOR = 0.0\n")
+    assert fingerprint(tree)["code"] != before["code"]

@@ -56,7 +56,7 @@ def tsv_rows(path: Path) -> list[list[str]]:
 
 
 def git(*args: str, cwd: Path) -> str:
-    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True).stdout.strip()
+    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True, timeout=60).stdout.strip()
 
 
 def test_run_holds_params_metrics_history_tags_and_artifacts(workdir, store, request, monkeypatch):
@@ -137,6 +137,55 @@ def test_resume_continues_the_same_run_and_history(workdir, store, request):
     rows = tsv_rows(metrics_dir / "plots" / "metrics" / "val_top1.tsv")
     assert [row[0] for row in rows[1:]] == ["0", "1", "2", "3"]
     assert json.loads((metrics_dir / "metrics.json").read_text()) == {"val_top1": 3.0, "step": 3}
+
+
+@pytest.mark.parametrize("killed", ["before logging", "between MLflow and DVCLive", "after logging"])
+def test_a_resumed_history_holds_each_step_once_wherever_the_kill_fell(workdir, store, request, killed):
+    """The trainer checkpoints an epoch, then logs it; resuming from that checkpoint calls resume_history with
+    the checkpoint's step and metrics, whatever part of the logging the killed run got to."""
+    params = params_for(request)
+    metrics_dir = workdir / "metrics"
+    epoch_metrics = [{"val_top1": 10.0 * step, "train_loss": 1.0 / (step + 1)} for step in range(4)]
+    with pytest.raises(RuntimeError, match="killed"):
+        with Tracker("pretrain", params, cpu_runtime(), metrics_dir=metrics_dir, param_sections=PRETRAIN_SECTIONS) as first:
+            first.log_metrics(epoch_metrics[0], step=0)
+            if killed != "before logging":
+                first.log_metrics(epoch_metrics[1], step=1)
+            raise RuntimeError("killed")
+    if killed == "between MLflow and DVCLive":  # undo DVCLive's part of step 1, as if killed before it
+        for name in ("val_top1", "train_loss"):
+            path = metrics_dir / "plots" / "metrics" / f"{name}.tsv"
+            path.write_text("".join(path.read_text().splitlines(keepends=True)[:-1]))
+
+    with Tracker(
+        "pretrain", params, cpu_runtime(), metrics_dir=metrics_dir, param_sections=PRETRAIN_SECTIONS, resume_run_id=first.run_id
+    ) as resumed:
+        resumed.resume_history(1, epoch_metrics[1])
+        for step in range(2, 4):
+            resumed.log_metrics(epoch_metrics[step], step=step)
+
+    for name in ("val_top1", "train_loss"):
+        expected = [(step, epoch_metrics[step][name]) for step in range(4)]
+        assert history(store, first.run_id, name) == expected
+        rows = tsv_rows(metrics_dir / "plots" / "metrics" / f"{name}.tsv")
+        assert [(int(row[0]), float(row[1])) for row in rows[1:]] == expected
+    assert json.loads((metrics_dir / "metrics.json").read_text()) == {**epoch_metrics[3], "step": 3}
+
+
+def test_metrics_json_is_replaced_whole_or_not_at_all(workdir, request):
+    """DVCLive rewrites metrics.json in place; a kill in the middle would leave JSON that Live(resume=True)
+    cannot read. Ours writes a temporary file and renames it: a failed write leaves the previous file."""
+    params = params_for(request)
+    metrics_dir = workdir / "metrics"
+    with Tracker("pretrain", params, cpu_runtime(), metrics_dir=metrics_dir, param_sections=PRETRAIN_SECTIONS) as tracker:
+        tracker.log_metrics({"val_top1": 50.0}, step=0)
+        before = (metrics_dir / "metrics.json").read_text()
+        tracker._live.summary["broken"] = object()  # the encoder fails half-way through the summary
+        with pytest.raises(TypeError):
+            tracker._live.make_summary()
+        assert (metrics_dir / "metrics.json").read_text() == before
+        assert [path.name for path in metrics_dir.iterdir() if path.name.startswith(".")] == []
+        del tracker._live.summary["broken"]
 
 
 def test_failure_marks_the_run_failed_and_flushes_dvclive(workdir, store, request):
@@ -232,7 +281,7 @@ def test_dvclive_inside_dvc_repro_and_exp_run_only_writes_its_files(workdir, sto
     dvc = [str(Path(sys.executable).parent / "dvc")]
 
     def run(*command: str) -> str:
-        return subprocess.run(command, cwd=repo, check=True, capture_output=True, text=True).stdout
+        return subprocess.run(command, cwd=repo, check=True, capture_output=True, text=True, timeout=300).stdout
 
     def experiments() -> list[str]:  # what `dvc exp ls` lists, without starting dvc (refs/exps/exec: run state)
         refs = git("for-each-ref", "--format=%(refname)", "refs/exps", cwd=repo).split()
@@ -295,7 +344,8 @@ def test_stages_creating_a_fresh_store_at_once_both_succeed(tmp_path):
         for i in range(2)
     ]
     for run in runs:
-        assert run.wait(timeout=300) == 0, run.stderr.read()
+        _, stderr = run.communicate(timeout=300)  # reads the pipe as it goes: a full one cannot stall the run
+        assert run.returncode == 0, stderr
     found = MlflowClient(env["MLFLOW_TRACKING_URI"]).search_runs(
         [MlflowClient(env["MLFLOW_TRACKING_URI"]).get_experiment_by_name("coarse2fine").experiment_id]
     )

@@ -12,8 +12,9 @@ from typing import Iterator
 def atomic_path(path: str | Path) -> Iterator[Path]:
     """Yield a temporary name beside `path`; it becomes `path` only if the block succeeds.
 
-    Readers (and a rerun after a crash) never see a half-written file: the rename is atomic on POSIX, and
-    the data is fsynced first so a power loss cannot leave a renamed but empty file.
+    Readers (and a rerun after a crash) never see a half-written file: the rename is atomic on POSIX, the
+    data is fsynced first so a power loss cannot leave a renamed but empty file, and the directory after, so
+    the rename itself survives one.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -23,5 +24,10 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         with open(temporary, "rb+") as written:
             os.fsync(written.fileno())
         os.replace(temporary, path)
+        directory = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
     finally:
         temporary.unlink(missing_ok=True)

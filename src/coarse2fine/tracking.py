@@ -13,6 +13,8 @@ Only rank 0 tracks; on other ranks every method is a no-op, so callers never bra
 from __future__ import annotations
 
 import contextlib
+import csv
+import json
 import logging
 import os
 import subprocess
@@ -22,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from dvclive import Live
+from dvclive.plots import Metric as LiveMetric, NumpyEncoder
 from filelock import FileLock
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param
@@ -30,6 +33,7 @@ from mlflow.utils.mlflow_tags import MLFLOW_GIT_COMMIT
 
 from coarse2fine.config import Params, flatten
 from coarse2fine.distributed import Runtime
+from coarse2fine.files import atomic_path
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +103,25 @@ class _FileOnlyLive(Live):
 
     def _init_dvc(self) -> None:
         pass
+
+    def make_summary(self) -> None:
+        """Live's own summary, written atomically: `Live(resume=True)` reads it back, and a kill in the middle of
+        Live's in-place rewrite would leave a file it cannot parse."""
+        if self._step is not None:
+            self.summary["step"] = self.step
+        with atomic_path(self.metrics_file) as temporary:
+            temporary.write_text(json.dumps(self.summary, indent=4, cls=NumpyEncoder) + "\n", encoding="utf-8")
+
+    def drop_history_from(self, step: int) -> None:
+        """Remove the rows at `step` and later from every metric's history file (`plots/metrics/*.tsv`)."""
+        for path in sorted((Path(self.plots_dir) / LiveMetric.subfolder).rglob("*.tsv")):
+            with open(path, encoding="utf-8", newline="") as history:
+                reader = csv.DictReader(history, delimiter="\t")
+                fields, rows = reader.fieldnames, [row for row in reader if int(row["step"]) < step]
+            with atomic_path(path) as temporary, open(temporary, "w", encoding="utf-8", newline="") as history:
+                writer = csv.DictWriter(history, fields, delimiter="\t", lineterminator=os.linesep)
+                writer.writeheader()
+                writer.writerows(rows)
 
 
 class Tracker:
@@ -217,11 +240,28 @@ class Tracker:
             return
         values = _plain_numbers(metrics)
         self._client.log_batch(self.run_id, metrics=_mlflow_metrics(values, step))
+        self._log_live(values, step)
+
+    def _log_live(self, values: Mapping[str, int | float], step: int) -> None:
         self._live.step = step
         for name, value in values.items():
             self._live.log_metric(name, value)
         # Written every step, not only at the end, so a killed run leaves metrics.json matching the history.
         self._live.make_summary()
+
+    def resume_history(self, step: int, metrics: Mapping[str, float]) -> None:
+        """On resuming from a checkpoint whose last epoch is `step` (its `metrics`): make both histories end with
+        exactly one entry at `step`, wherever the killed run stopped around its last checkpoint (the trainer
+        checkpoints first, then logs). DVCLive: rows from `step` on are dropped and `step` written anew.
+        MLflow, which cannot delete points: `step` is logged unless it is there (one log_batch is atomic)."""
+        if not self.enabled:
+            return
+        self._live.drop_history_from(step)
+        values = _plain_numbers(metrics)
+        logged = {entry.step for entry in self._client.get_metric_history(self.run_id, next(iter(values)))}
+        if step not in logged:
+            self._client.log_batch(self.run_id, metrics=_mlflow_metrics(values, step))
+        self._log_live(values, step)
 
     def log_summary(self, metrics: Mapping[str, float]) -> None:
         """Final numbers: MLflow metrics and keys of `metrics_dir/metrics.json` (no history rows)."""

@@ -3,10 +3,11 @@
 In a fresh copy of the project (a temporary git repository with dvc.yaml, params.yaml, stages/, src/, .dvc/, as
 tests/test_pipeline.py makes it) with fast params, a full `dvc repro` runs once (reported, not a row); then, in
 --repeats interleaved rounds:
-- no-op: `dvc repro` with nothing changed (must run no stage);
+- no-op: `dvc repro` with nothing changed (must run only the `source` stage, which lists the source images at
+  every repro and writes the same digest, so nothing after it runs);
 - last stage only: `evaluate.crop_pct` set to a value not used before (DVC's run cache would restore a previous
-  value's outputs without running anything), then `dvc repro` (must run evaluate only;
-  the earlier stages' time, from `Running stage` lines, must be 0). evaluate is the last stage until the
+  value's outputs without running anything), then `dvc repro` (must run evaluate and the listing only; the time
+  in convert and pretrain, from `Running stage` lines, must be 0). evaluate is the last stage until the
   fine-tune stage exists.
 """
 
@@ -20,6 +21,7 @@ from _common import ProjectCopy, Repro, goal, header_line, markdown_table, works
 
 GOAL_NOOP_SECONDS = 3.0
 LAST_STAGE = "evaluate"
+LISTING_STAGE = "source"  # always runs: its unchanged output is what keeps the rest cached
 FIRST_CROP_PCT, CROP_PCT_STEP = 0.875, -0.025  # a new value every round: a real run, never a run-cache restore
 
 
@@ -34,7 +36,12 @@ def parse_args() -> argparse.Namespace:
 
 
 def earlier_seconds(run: Repro) -> float:
-    return sum(seconds for stage, seconds in run.stage_seconds.items() if stage != LAST_STAGE)
+    """Seconds in the stages between the listing and the last stage (convert, pretrain)."""
+    return sum(seconds for stage, seconds in run.stage_seconds.items() if stage not in (LISTING_STAGE, LAST_STAGE))
+
+
+def stage_median(runs: list[Repro], stage: str) -> float:
+    return statistics.median(run.stage_seconds.get(stage, 0.0) for run in runs)
 
 
 def ran(runs: list[Repro]) -> str:
@@ -46,20 +53,23 @@ def report(full: Repro, noop: list[Repro], change: list[Repro], args: argparse.N
     def row(name: str, runs: list[Repro]) -> list[str]:
         seconds = [run.seconds for run in runs]
         earlier = max(earlier_seconds(run) for run in runs)
-        last = statistics.median(run.stage_seconds.get(LAST_STAGE, 0.0) for run in runs)
         return [
             name, f"{statistics.median(seconds):.2f}", f"{min(seconds):.2f}-{max(seconds):.2f}", ran(runs),
-            f"{earlier:.2f}", f"{last:.2f}",
+            f"{stage_median(runs, LISTING_STAGE):.2f}", f"{earlier:.2f}", f"{stage_median(runs, LAST_STAGE):.2f}",
         ]
 
     noop_median = statistics.median(run.seconds for run in noop)
     earlier = max(earlier_seconds(run) for run in change)
     goals = [
-        goal(f"no-op dvc repro <= {GOAL_NOOP_SECONDS:g} s", noop_median <= GOAL_NOOP_SECONDS, f"{noop_median:.2f} s"),
         goal(
-            f"a change under {LAST_STAGE}: runs only {LAST_STAGE}, 0 s in earlier stages",
-            all(ran([run]) == LAST_STAGE for run in change) and earlier == 0 and ran(noop) == "none",
-            f"ran {ran(change)}, {earlier:.2f} s earlier",
+            f"no-op dvc repro <= {GOAL_NOOP_SECONDS:g} s, running only the {LISTING_STAGE} listing",
+            noop_median <= GOAL_NOOP_SECONDS and ran(noop) == LISTING_STAGE,
+            f"{noop_median:.2f} s, ran {ran(noop)}",
+        ),
+        goal(
+            f"a change under {LAST_STAGE}: runs only {LAST_STAGE} (and the listing), 0 s in convert and pretrain",
+            all(ran([run]) == f"{LAST_STAGE}, {LISTING_STAGE}" for run in change) and earlier == 0,
+            f"ran {ran(change)}, {earlier:.2f} s in convert and pretrain",
         ),
     ]
     full_stages = ", ".join(f"{stage} {seconds:.1f} s" for stage, seconds in full.stage_seconds.items())
@@ -72,8 +82,8 @@ def report(full: Repro, noop: list[Repro], change: list[Repro], args: argparse.N
             f"The last stage is {LAST_STAGE} (the fine-tune stage does not exist yet).",
             "",
             markdown_table(
-                ["dvc repro after", "wall s (median)", "wall s range", "stages run", "s in earlier stages (max)",
-                 f"s in {LAST_STAGE} (median)"],
+                ["dvc repro after", "wall s (median)", "wall s range", "stages run", f"s in {LISTING_STAGE} (median)",
+                 "s in convert + pretrain (max)", f"s in {LAST_STAGE} (median)"],
                 [row("no change", noop), row(f"{LAST_STAGE}.crop_pct changed", change)],
             ),
             "",

@@ -3,8 +3,9 @@
 The same records as bench/loader.py (synthetic 500x375 JPEGs unless --imagefolder), the project's default
 random-resized-crop (augment.scale/ratio, bicubic), batch 64, 2 DALI threads. The first rows are one epoch of a
 DALI CPU pipeline built from the train pipeline's own pieces, adding one step at a time:
-- crop decode: tfrecord reader -> random crop window -> decoders.image_slice (crops leave DALI as they are);
-- + resize ... : then fn.resize to 224 x 224 with the named filter (uint8 out);
+- crop decode: the loader's own graph up to the decoded crop (tfrecord reader -> random crop window ->
+  decoders.image_slice; bench/loader.py's "crop decode only" row): crops leave DALI as they are;
+- + resize ... : the same steps, then fn.resize to 224 x 224 with the named filter (uint8 out);
 - + normalise: then crop_mirror_normalize (flip, float CHW): the all-DALI train graph (the one a GPU runs),
   here on the CPU, without RandAugment/erasing;
 - project CPU loader: build_loader's DALI backend as it runs without a GPU: the crop decode above, then
@@ -24,8 +25,8 @@ from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
 from coarse2fine.config import parse_params
 from coarse2fine.data import records
-from coarse2fine.data.dali_pipeline import READER_NAME, normalise, read_records
-from loader import BATCH_SIZE, IMG_SIZE, ProjectLoader
+from coarse2fine.data.dali_pipeline import READER_NAME, normalise, read_records, stored_shape
+from loader import BATCH_SIZE, IMG_SIZE, CropDecodeOnly, ProjectLoader
 
 RESIZES = {  # row name -> fn.resize filter options
     "+ resize bicubic, antialiased (the default)": dict(interp_type=types.INTERP_CUBIC),
@@ -46,15 +47,15 @@ def parse_args() -> argparse.Namespace:
 
 
 @pipeline_def
-def profile_pipeline(files, index_files, scale, ratio, resize: dict | None, normalised: bool = False):
-    """Without `resize`: the ragged crops (for pipeline.run()); `resize={}` plus options: 224 x 224 images."""
+def profile_pipeline(files, index_files, scale, ratio, resize: dict, normalised: bool = False):
+    """The crop decode, then fn.resize to 224 x 224 with the `resize` options [then crop_mirror_normalize]."""
     record = read_records(files, index_files, shard_id=0, num_shards=1, shuffle=True)
-    image_hw = fn.peek_image_shape(record["image"])[0:2]
+    image_hw = stored_shape(record["image"])
     anchor, shape = fn.random_crop_generator(image_hw, random_area=scale, random_aspect_ratio=ratio)
-    image = fn.decoders.image_slice(record["image"], start=anchor, shape=shape, axis_names="HW", output_type=types.RGB)
+    image = fn.decoders.image_slice(
+        record["image"], start=anchor, shape=shape, axis_names="HW", output_type=types.RGB, adjust_orientation=False
+    )
     flip = fn.random.coin_flip(probability=0.5)
-    if resize is None:
-        return image, flip
     image = fn.resize(image, size=(IMG_SIZE, IMG_SIZE), **resize)
     return (normalise(image, IMG_SIZE, mirror=flip) if normalised else image), flip
 
@@ -73,20 +74,6 @@ class DaliEpoch:
         return sum(len(batch["image"]) for (batch,) in iterator)
 
 
-class CropEpoch:
-    """One epoch of ragged crops (the iterator only takes equal shapes): pipeline.run() per full batch, while
-    DALI's threads prefetch the next ones."""
-
-    def __init__(self, graph: bytes):
-        self.graph = graph
-
-    def __call__(self) -> int:
-        pipeline = Pipeline.deserialize(self.graph)
-        pipeline.build()
-        batches = pipeline.epoch_size(READER_NAME) // BATCH_SIZE
-        return sum(len(pipeline.run()[0]) for _ in range(batches))
-
-
 def main() -> None:
     args = parse_args()
     augment = parse_params({}).augment
@@ -98,8 +85,8 @@ def main() -> None:
             files=[str(tfrecord) for tfrecord, _ in shards], index_files=[str(index) for _, index in shards],
             scale=augment.scale, ratio=augment.ratio, batch_size=BATCH_SIZE, num_threads=args.threads, device_id=None,
         )
-        crops = profile_pipeline(resize=None, **pipeline_options).serialize()
-        variants = {"crop decode": common.CpuTimed(CropEpoch(crops))}
+        project_loader = ProjectLoader("dali", records_dir, args)
+        variants = {"crop decode": common.CpuTimed(CropDecodeOnly(records_dir, project_loader))}
         variants |= {
             name: common.CpuTimed(DaliEpoch(profile_pipeline(resize=resize, **pipeline_options).serialize()))
             for name, resize in RESIZES.items()
@@ -108,7 +95,7 @@ def main() -> None:
         variants[ALL_DALI] = common.CpuTimed(
             DaliEpoch(profile_pipeline(resize=default_resize, normalised=True, **pipeline_options).serialize())
         )
-        variants["project CPU loader (torch resize)"] = common.CpuTimed(ProjectLoader("dali", records_dir, args))
+        variants["project CPU loader (torch resize)"] = common.CpuTimed(project_loader)
         rates = common.interleaved(variants, args.repeats)
     medians = {name: statistics.median(values) for name, values in rates.items()}
     cpu_ms = {name: 1000 / statistics.median(variant.rates[1:]) for name, variant in variants.items()}

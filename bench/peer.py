@@ -19,9 +19,10 @@ random-resized-crop scale (0.35, 1) ratio (3/4, 4/3) bicubic, no flip, no colour
 mixup/cutmix, no random erasing, 32 px, val crop 100 %, 2 loader workers, CPU fp32, seed 0.
 Reported per tool: train img/s (median over epochs; the project's own per-epoch metric, timm's per-epoch average
 rate from its last `Train:` log line of the epoch), wall time of the whole run, final val top-1.
-Threads: the stage runs under torchrun, which sets OMP_NUM_THREADS=1 (one intra-op thread; DALI has its own 2);
-a plain train.py process uses torch's default (one thread per core) beside its 2 loader worker processes, which
-oversubscribes 2 cores. So timm runs twice: as is, and with OMP_NUM_THREADS=1 like the stage.
+Threads: both tools run as one training process with torch's default intra-op threads (one per core): the stage
+runs with launch.nproc_per_node 1, and torchrun sets OMP_NUM_THREADS=1 only for 2 or more processes. Beside
+them, DALI's 2 threads (the stage) and 2 loader worker processes (timm) oversubscribe 2 cores alike. timm also
+runs with OMP_NUM_THREADS=1 (one intra-op thread), to show what its default threads are worth here.
 The runs alternate (forward order, then reversed, ...), never concurrently.
 """
 

@@ -151,7 +151,7 @@ def new_trainer(
     return Trainer(
         stage="bench", params=params, cfg=params.pretrain, model=new_model(params, mix_token),
         classes=[str(i) for i in range(NUM_CLASSES)], train_loader=loader, val_loader=loader, runtime=CPU,
-        param_sections=("pretrain",), data_digest="random", checkpoint_dir=scratch, model_file=scratch / "model.pt",
+        param_sections=("pretrain",), provenance={"data_digest": "random"}, checkpoint_dir=scratch, model_file=scratch / "model.pt",
         metrics_dir=scratch, objective=objective,
     )
 

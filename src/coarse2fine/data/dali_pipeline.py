@@ -7,8 +7,8 @@ hflip coin) -> random erasing. The window's anchor/shape and the coin are pipeli
 known exactly, which the token labels need (fn.random_resized_crop would hide it).
 Without a GPU the pipeline stops after RandAugment on the decoded crop, and `HostFinish` resizes (torch's
 uint8 antialiased kernels), flips, normalises and erases in the loading thread while DALI's threads decode the
-next batches: DALI's CPU resize costs about 3.5 ms of CPU and its crop_mirror_normalize 0.7 ms a 224 px image,
-the torch finish about 2 ms for both, which makes the loader 1.7x faster on 2 cores (`python bench/loader_profile.py`).
+next batches: DALI's CPU resize costs about 2.6 ms of CPU and its crop_mirror_normalize 0.5 ms a 224 px image,
+the torch finish about 1.5 ms for both, which makes the loader 1.7x faster on 2 cores (`python bench/loader_profile.py`).
 On a GPU all of it stays in DALI, on the device. The colour ops then see the crop before its resize: the same
 result for the pointwise ops, sharpness's 3x3 kernel acts at the crop's resolution.
 Val: resize the shorter side to floor(S / crop_pct) -> centre crop S (padded if larger) -> normalise.

@@ -254,7 +254,7 @@ class Tracker:
         exactly one entry at `step`, wherever the killed run stopped around its last checkpoint (the trainer
         checkpoints first, then logs). DVCLive: rows from `step` on are dropped and `step` written anew.
         MLflow, which cannot delete points: `step` is logged unless it is there (one log_batch is atomic)."""
-        if not self.enabled:
+        if not self.enabled or not metrics:
             return
         self._live.drop_history_from(step)
         values = _plain_numbers(metrics)

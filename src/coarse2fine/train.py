@@ -41,12 +41,12 @@ from timm.scheduler import CosineLRScheduler
 from timm.models.volo import VOLO
 from timm.utils import ModelEmaV3, distribute_bn
 from torch.nn.parallel import DistributedDataParallel
-from tqdm import tqdm
 
 from coarse2fine import config, distributed, losses, models
 from coarse2fine.distributed import Runtime
 from coarse2fine.errors import UserError
 from coarse2fine.evaluate import evaluate
+from coarse2fine.progress import progress
 from coarse2fine.tracking import Tracker, stage_params
 
 CHECKPOINT_FILE = "last.pt"
@@ -206,7 +206,7 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.runtime.device)
         samples = 0
         start = time.perf_counter()
-        batches = tqdm(
+        batches = progress(
             self.train_loader, total=num_batches, desc=f"{self.stage} epoch {epoch + 1}/{self.cfg.epochs}",
             disable=not self.runtime.is_main, leave=False,
         )

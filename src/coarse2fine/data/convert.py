@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Literal
 
 from PIL import Image, UnidentifiedImageError
-from tqdm import tqdm
 
 from coarse2fine import distributed
 from coarse2fine.config import Params
@@ -32,6 +31,7 @@ from coarse2fine.data import records, sources
 from coarse2fine.data.sources import Skipped, Source, SourceFile
 from coarse2fine.distributed import Runtime
 from coarse2fine.errors import UserError
+from coarse2fine.progress import progress
 
 PASS_THROUGH_MODES = frozenset({"RGB", "L"})
 # JPEG frame types (SOFn marker byte) every decoder takes: baseline, extended sequential, progressive.
@@ -102,8 +102,8 @@ def _check_all(source: Source, runtime: Runtime, map_: Callable) -> list[Checked
     start, end = (len(items) * rank // runtime.world_size for rank in (runtime.rank, runtime.rank + 1))
     mine = items[start:end]
     check = functools.partial(_check_file, source.root)
-    progress = tqdm(map_(check, mine), total=len(mine), desc="check", unit="img", disable=not runtime.is_main)
-    return [verdict for part in distributed.all_gather_objects(list(progress)) for verdict in part]
+    checked = progress(map_(check, mine), total=len(mine), desc="check", unit="img", disable=not runtime.is_main)
+    return [verdict for part in distributed.all_gather_objects(list(checked)) for verdict in part]
 
 
 def _check_file(root: Path, item: tuple[str, SourceFile]) -> Checked:
@@ -198,7 +198,7 @@ def _write_shards(
     bounds = {split: _shard_bounds(len(ordered[split]), _num_shards(params, split)) for split in records.SPLITS}
     total = sum(bounds[split][shard + 1] - bounds[split][shard] for split, shard in mine)
     written = []
-    with tqdm(total=total, desc="write", unit="img", disable=not runtime.is_main) as progress:
+    with progress(total=total, desc="write", unit="img", disable=not runtime.is_main) as bar:
         for split, shard in mine:
             first, end = bounds[split][shard], bounds[split][shard + 1]
             items = ordered[split][first:end]
@@ -214,7 +214,7 @@ def _write_shards(
                 for index, item, image in zip(range(first, end), items, _stored_images(items, root, params, map_))
             )
             info = records.write_shard(out_dir, split, shard, _num_shards(params, split), first, examples)
-            progress.update(info.count)
+            bar.update(info.count)
             written.append(info)
     everyone = [info for part in distributed.all_gather_objects(written) for info in part]
     return sorted(everyone, key=lambda info: (records.SPLITS.index(info.split), info.first_index))

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
+import signal
+import sqlite3
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -350,6 +354,33 @@ def test_stages_creating_a_fresh_store_at_once_both_succeed(tmp_path):
         [MlflowClient(env["MLFLOW_TRACKING_URI"]).get_experiment_by_name("coarse2fine").experiment_id]
     )
     assert sorted(run.data.metrics["ok"] for run in found) == [1.0, 1.0]
+
+
+def schema_revision(database: Path) -> str | None:
+    with contextlib.closing(sqlite3.connect(database)) as connection:
+        try:
+            return connection.execute("SELECT version_num FROM alembic_version").fetchone()[0]
+        except (sqlite3.OperationalError, TypeError):  # no table yet, or no row
+            return None
+
+
+def test_the_store_appears_only_once_its_schema_is_complete(tmp_path):
+    """MLflow's schema migration takes seconds; torchrun SIGTERMs every rank when one fails (a user mistake on
+    rank 1 while rank 0 creates mlflow.db), and a stage stopped inside the migration left a database every later
+    stage failed to open. So the store is made under a temporary name: the moment mlflow.db exists, it is whole."""
+    env = {"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}", "PATH": str(Path(sys.executable).parent),
+           "PYTHONPATH": str(Path(__file__).parent), "MLFLOW_DISABLE_TELEMETRY": "true"}
+    creator = subprocess.Popen([sys.executable, "-c", OPEN_A_RUN, str(tmp_path / "metrics")], cwd=tmp_path, env=env,
+                               stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "mlflow.db").exists():
+        assert creator.poll() is None and time.monotonic() < deadline
+        time.sleep(0.005)
+    creator.send_signal(signal.SIGKILL)  # stop it the moment the store appears
+    creator.wait(timeout=60)
+
+    MlflowClient(f"sqlite:///{tmp_path / 'reference.db'}")  # a store made to the end, for its schema revision
+    assert schema_revision(tmp_path / "mlflow.db") == schema_revision(tmp_path / "reference.db") is not None
 
 
 @pytest.mark.parametrize("stage", ["convert", "pretrain", "evaluate"])

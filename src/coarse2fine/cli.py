@@ -48,7 +48,7 @@ def die_with_the_launcher() -> None:
         os._exit(1)
 
 
-def print_user_error(error: UserError) -> None:
+def print_user_error(error: UserError | str) -> None:
     print(f"error: {error}", file=sys.stderr)
 
 

@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
             if not messages:
                 raise
             for message in messages:
-                print(f"error: {message}", file=sys.stderr)
+                cli.print_user_error(message)
             sys.exit(cli.USER_ERROR_EXIT)
 
 

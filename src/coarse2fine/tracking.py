@@ -70,6 +70,19 @@ def _store_lock(uri: str) -> contextlib.AbstractContextManager:
     return FileLock(f"{database}.lock")
 
 
+def _create_missing_sqlite_store(uri: str) -> None:
+    """Create a missing sqlite store under a temporary name and rename it into place. MLflow's schema migration
+    takes seconds, and a stage stopped during it (torchrun SIGTERMs every rank when one fails, e.g. on a user
+    mistake) would leave a half-migrated database that every later stage fails to open."""
+    if not uri.startswith("sqlite:///"):
+        return
+    database = Path(uri.removeprefix("sqlite:///"))
+    if database.exists():
+        return
+    with atomic_path(database) as temporary:
+        MlflowClient(tracking_uri=f"sqlite:///{temporary}")  # creates the schema
+
+
 def _git_commit() -> str | None:
     # Asked in the working directory, not project_root(): a queued DVC experiment runs a checkout of its
     # own baseline commit in a temporary directory while the main repo's HEAD may have moved on.
@@ -161,6 +174,7 @@ class Tracker:
             logging.getLogger(name).setLevel(logging.WARNING)
         uri = tracking_uri()
         with _store_lock(uri):
+            _create_missing_sqlite_store(uri)
             self._client = MlflowClient(tracking_uri=uri)
             self.run_id = self._open_run(uri)
         try:

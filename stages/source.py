@@ -1,4 +1,5 @@
-"""List the source images (params data.source, data.root) into data/source.json: what convert reads.
+"""List the source images (params data.source, data.root) into data/source.json: what convert reads; and an
+imported teacher's weights file (teacher.mode, teacher.weights) into data/teacher_source.json.
 
 dvc.yaml runs this stage at every `dvc repro` (always_changed): it stats every file under the data root, so
 an image added, removed or replaced changes data/source.json and reruns convert and what follows, while an
@@ -12,15 +13,19 @@ from pathlib import Path
 
 from coarse2fine import cli, files
 from coarse2fine.config import Params
-from coarse2fine.data.listing import source_state
+from coarse2fine.data.listing import source_state, weights_state
 
 
 def main(params: Params, args: argparse.Namespace) -> None:
-    with files.atomic_path(args.out) as temporary:
-        temporary.write_text(json.dumps(source_state(params.data), indent=2) + "\n", encoding="utf-8")
+    for path, state in ((args.out, source_state(params.data)), (args.teacher_out, weights_state(params.teacher))):
+        with files.atomic_path(path) as temporary:
+            temporary.write_text(json.dumps(state, indent=2) + "\n", encoding="utf-8")
 
 
 if __name__ == "__main__":
     parser = cli.stage_parser(__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("data/source.json"), help="default: data/source.json")
+    parser.add_argument(
+        "--teacher-out", type=Path, default=Path("data/teacher_source.json"), help="default: data/teacher_source.json"
+    )
     cli.run(main, parser)

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
+import torch
 
 from coarse2fine import models
 from coarse2fine.config import Model
@@ -42,6 +43,25 @@ def model_with_other_classes(project: Project) -> None:
     )
 
 
+def teacher_file(project: Project, classes: list[str], num_classes: int | None = None) -> Path:
+    """A resnet10t teacher model file over `classes` (its head sized for `num_classes` if given)."""
+    model_cfg = Model(name="resnet10t", output_stride=8)
+    model = models.build_model(model_cfg, num_classes=num_classes or len(classes), img_size=32)
+    path = project.path / "models/teacher/model.pt"
+    models.save_model_file(path, model, model_cfg=model_cfg, img_size=32, classes=classes, stage="teacher")
+    return path
+
+
+def imagenet_weights(project: Project, tmp: Path) -> dict:
+    """Import mode with a 1000-class resnet10t state dict: it does not fit the 10 digit classes."""
+    path = tmp / "resnet10t_imagenet.pt"
+    torch.save(models.build_model(Model(name="resnet10t"), num_classes=1000, img_size=32).state_dict(), path)
+    return {"teacher": {"mode": "import", "weights": str(path), "model": {"name": "resnet10t"}}}
+
+
+GROUND_TRUTH = {"token_label": {"enabled": False}}  # pretrain without a token-label store
+DIGITS = [str(digit) for digit in range(10)]
+
 # (stage, params change, set-up of files given (project, tmp_path) -> params change, words the line must hold)
 MISTAKES: dict[str, tuple[str, Callable[[Project, Path], dict], list[str]]] = {
     "missing data root": (
@@ -67,7 +87,7 @@ MISTAKES: dict[str, tuple[str, Callable[[Project, Path], dict], list[str]]] = {
         ["data.val_shards", "50 shards for only 10 val images"],
     ),
     "batch larger than a rank's share": (
-        "pretrain", lambda project, tmp: {"pretrain": {"batch_size": 300}},
+        "pretrain", lambda project, tmp: {"pretrain": {"batch_size": 300, **GROUND_TRUTH}},
         ["batch_size 300", "217 training records each of 2 rank(s)"],
     ),
     "model and records classes differ": (
@@ -75,12 +95,22 @@ MISTAKES: dict[str, tuple[str, Callable[[Project, Path], dict], list[str]]] = {
         ["model.pt has 10 classes", "differ at label 0", "'class 0' vs '0'"],
     ),
     "rand_augment magnitude above 10": (
-        "pretrain", lambda project, tmp: {"augment": {"rand_augment": "rand-m12"}},
+        "pretrain", lambda project, tmp: {"augment": {"rand_augment": "rand-m12"}, "pretrain": GROUND_TRUTH},
         ["augment.rand_augment", "m12"],
     ),
     "rand_augment option no backend honours": (
-        "pretrain", lambda project, tmp: {"augment": {"rand_augment": "rand-m9-p0.3"}},
+        "pretrain", lambda project, tmp: {"augment": {"rand_augment": "rand-m9-p0.3"}, "pretrain": GROUND_TRUTH},
         ["augment.rand_augment", "p0.3"],
+    ),
+    "teacher weights for another class count": (
+        "teacher", imagenet_weights, ["teacher.weights", "does not fit ResNet with 10 classes", "fc.weight (1000, 512)"],
+    ),
+    "no token labels yet": (
+        "pretrain", lambda project, tmp: {}, ["data/token_labels", "run the token_labels stage first"],
+    ),
+    "more top-k classes than classes": (
+        "token_labels", lambda project, tmp: teacher_file(project, DIGITS) and {"token_labels": {"top_k": 11}},
+        ["token_labels.top_k", "11 is more than the 10 classes"],
     ),
 }
 

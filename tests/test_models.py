@@ -101,3 +101,61 @@ def test_atomic_save_leaves_the_old_file_when_writing_fails(tmp_path):
         models.atomic_save({"epoch": 2, "bad": lambda: None}, path)  # lambdas cannot be pickled
     assert torch.load(path, weights_only=True) == {"epoch": 1}
     assert [p.name for p in tmp_path.iterdir()] == ["last.pt"]
+
+
+# ------------------------------------------------------------------------------------ other timm families
+
+
+@pytest.mark.parametrize(
+    ("model_cfg", "img_size"),
+    [({"name": "resnet10t"}, 32), ({"name": "resnet10t", "output_stride": 8}, 32), ({"name": "vit_tiny_patch16_224"}, 64)],
+)
+def test_any_timm_model_trains_through_the_train_forward(model_cfg, img_size):
+    model = tiny_model(num_classes=5, img_size=img_size, **model_cfg)
+    output = models.TrainForward(model).train()(torch.randn(2, 3, img_size, img_size))
+    assert output.aux_logits is None and output.cls_logits.shape == (2, 5)
+    assert output.merged() is output.cls_logits
+    if "output_stride" in model_cfg:  # dilated: a 4 x 4 feature map at 32 px instead of 1 x 1
+        assert model.forward_features(torch.randn(1, 3, 32, 32)).shape[-2:] == (4, 4)
+
+
+def save_weights(model: nn.Module, path, kind: str) -> None:
+    state = model.state_dict()
+    if kind == "safetensors":
+        from safetensors.torch import save_file
+
+        save_file(state, str(path))
+    elif kind == "state_dict":
+        torch.save(state, path)
+    else:  # a training checkpoint of timm's train.py: the weights under "state_dict", EMA weights beside them
+        torch.save({"epoch": 3, "state_dict": {f"module.{key}": value for key, value in state.items()}}, path)
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "state_dict", "checkpoint"])
+def test_local_weights_load_strictly_into_the_named_architecture(tmp_path, kind):
+    torch.manual_seed(0)
+    source = tiny_model(num_classes=10, name="resnet10t")
+    path = tmp_path / ("weights.safetensors" if kind == "safetensors" else "weights.pt")
+    save_weights(source, path, kind)
+    target = tiny_model(num_classes=10, name="resnet10t")
+    models.load_weights(target, path, "teacher.weights")
+    for key, value in source.state_dict().items():
+        torch.testing.assert_close(target.state_dict()[key], value, rtol=0, atol=0)
+
+
+def test_weights_that_do_not_fit_are_one_error_naming_the_file(tmp_path):
+    path = tmp_path / "imagenet.safetensors"
+    save_weights(tiny_model(num_classes=1000, name="resnet10t"), path, "safetensors")
+    # timm would silently re-initialise a head of another class count; here it is an error.
+    with pytest.raises(UserError) as error:
+        models.load_weights(tiny_model(num_classes=10, name="resnet10t"), path, "teacher.weights")
+    message = str(error.value)
+    assert message.startswith(f"teacher.weights: {path} does not fit ResNet with 10 classes")
+    assert "fc.weight (1000, 512) vs (10, 512)" in message and "\n" not in message
+    with pytest.raises(UserError, match="missing .*unexpected"):  # another architecture altogether
+        models.load_weights(tiny_model(num_classes=1000, name="resnet18"), path, "teacher.weights")
+    with pytest.raises(UserError, match="weights file not found"):
+        models.load_weights(tiny_model(name="resnet10t"), tmp_path / "nope.pt", "teacher.weights")
+    (tmp_path / "garbage.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(UserError, match="garbage.pt: not a readable weights file"):
+        models.load_weights(tiny_model(name="resnet10t"), tmp_path / "garbage.pt", "teacher.weights")

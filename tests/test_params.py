@@ -41,10 +41,16 @@ def test_shipped_params_are_valid_and_complete():
         ("data.subset", 1.5, "data.subset: Input should be less than or equal to 1 (got 1.5)"),
         ("data.subset", 0.0, "data.subset: Input should be greater than 0 (got 0.0)"),
         ("data.source", "s3", "data.source: Input should be 'digits' or 'imagefolder' (got 's3')"),
-        ("pretrain.img_size", 40, "pretrain.img_size: 40 is not divisible by the model's token stride 16"),
-        ("evaluate.img_size", 33, "evaluate.img_size: 33 is not divisible by the model's token stride 16"),
+        ("pretrain.img_size", 36, "pretrain.img_size: 36 is not divisible by the model's token stride 8"),
+        ("evaluate.img_size", 33, "evaluate.img_size: 33 is not divisible by the model's token stride 8"),
         ("augment.scale", [0.9, 0.1], "augment.scale: must be 0 < low <= high (got [0.9, 0.1])"),
-        ("model.name", "resnet50", "model.name: unknown model 'resnet50'"),
+        ("model.name", "resnet50x", "model.name: 'resnet50x' is neither volo_custom nor a timm model; did you mean resnet50"),
+        ("teacher.model.name", "volo_d9", "teacher.model.name: 'volo_d9' is neither volo_custom nor a timm model"),
+        ("teacher.model.output_stride", 4, "teacher.model.output_stride: 4 is not 8, 16 or 32 of a CNN"),
+        ("teacher.mode", "import", "teacher.weights: required when mode is 'import'"),
+        ("token_labels.teacher_view", "crop", "token_labels.teacher_view: Input should be 'whole' or 'center'"),
+        # Token labeling needs a prediction per token: a CNN student has none.
+        ("model.name", "resnet18", "pretrain.token_label.enabled: model.name 'resnet18' has no per-token outputs"),
     ],
 )
 def test_bad_values_name_the_key(path, value, expected):
@@ -52,6 +58,14 @@ def test_bad_values_name_the_key(path, value, expected):
         parse_params(with_change(path, value))
     assert expected in str(error.value)
     assert str(error.value).startswith("params.yaml: ")
+
+
+def test_token_labeling_off_means_mix_token_off_and_any_student():
+    raw = with_change("pretrain.token_label.enabled", False)  # `dvc exp run -S pretrain.token_label.enabled=false`
+    assert raw["pretrain"]["token_label"]["mix_token"] is True
+    assert not parse_params(raw).pretrain.token_label.mixes_tokens
+    raw["model"]["name"] = "resnet18"  # without token labels, any timm model can be the student
+    assert parse_params(raw).model.name == "resnet18"
 
 
 def test_unknown_keys_are_errors_not_ignored():

@@ -51,7 +51,7 @@ def test_store_for_other_records_or_classes_is_a_user_error(tmp_path):
         TokenLabelStore(tmp_path, records=8, num_classes=10)
     with pytest.raises(UserError, match="over 10 classes, the data has 5"):
         TokenLabelStore(tmp_path, records=7, num_classes=5)
-    with pytest.raises(UserError, match="not a readable token-label store"):
+    with pytest.raises(UserError, match="no token labels .header.json missing.; run the token_labels stage first"):
         TokenLabelStore(tmp_path / "missing", records=7, num_classes=10)
 
 
@@ -140,6 +140,35 @@ def test_token_label_loss_mixes_the_class_target_by_the_box_area():
     torch.testing.assert_close(objective(mixed, batch), manual)
     unmixed = objective(models.TrainOutput(cls_logits, aux_logits), batch)
     assert not torch.isclose(unmixed, manual)
+
+
+def test_ground_truth_mixing_weights_the_teacher_by_whether_it_agrees_with_the_label():
+    teacher = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.6, 0.3]])
+    labels = torch.tensor([0, 2])  # the teacher's top-1 agrees with sample 0 (r = 0.5), not with sample 1 (r = 0.9)
+    expected = torch.tensor([[0.5 * 0.7 + 0.5, 0.5 * 0.2, 0.5 * 0.1], [0.9 * 0.1, 0.9 * 0.6, 0.9 * 0.3 + 0.1]])
+    torch.testing.assert_close(losses.mix_ground_truth(teacher, labels, smoothing=0.0), expected)
+    # Label smoothing 0.3 over 3 classes turns the one-hot label into (0.8, 0.1, 0.1).
+    smoothed = torch.tensor([[0.5 * 0.7 + 0.5 * 0.8, 0.5 * 0.2 + 0.05, 0.5 * 0.1 + 0.05],
+                             [0.9 * 0.1 + 0.01, 0.9 * 0.6 + 0.01, 0.9 * 0.3 + 0.08]])
+    torch.testing.assert_close(losses.mix_ground_truth(teacher, labels, smoothing=0.3), smoothed)
+
+
+def test_the_objective_mixes_the_ground_truth_into_the_class_target_only():
+    generator = torch.Generator().manual_seed(1)
+    logits = torch.randn(2, 2, 2, 2, generator=generator)
+    classes = torch.tensor([[0, 1], [2, 0]]).expand(2, 2, 2, 2).permute(0, 1, 3, 2).contiguous() % 3
+    classes[:, 1] = (classes[:, 0] + 1) % 3  # two distinct classes per cell
+    batch = {
+        "index": torch.tensor([0, 1]), "label": torch.tensor([2, 1]),
+        "window": torch.tensor([[0.0, 0.0, 1.0, 1.0], [0.0, 0.25, 1.0, 0.5]]), "flip": torch.tensor([False, False]),
+    }
+    output = models.TrainOutput(torch.randn(2, 3, generator=generator), torch.randn(2, 4, 3, generator=generator))
+    expected = token_targets(logits, classes, batch["window"], batch["flip"], num_classes=3, token_grid=2, smoothing=0.1)
+    manual = losses.soft_cross_entropy(
+        output.cls_logits, losses.mix_ground_truth(expected.cls, batch["label"], 0.1)
+    ) + 0.5 * losses.soft_cross_entropy(output.aux_logits, expected.tokens)
+    objective = losses.TokenLabelObjective(FixedStore(logits, classes), label_smoothing=0.1, ground_truth_mix=True)
+    torch.testing.assert_close(objective(output, batch), manual)
 
 
 def test_training_on_token_labels_teaches_each_token_the_class_under_it_in_the_crop(tmp_path):

@@ -383,7 +383,7 @@ def test_the_store_appears_only_once_its_schema_is_complete(tmp_path):
     assert schema_revision(tmp_path / "mlflow.db") == schema_revision(tmp_path / "reference.db") is not None
 
 
-@pytest.mark.parametrize("stage", ["convert", "pretrain", "evaluate"])
+@pytest.mark.parametrize("stage", ["convert", "teacher", "token_labels", "pretrain", "evaluate"])
 def test_each_stage_logs_exactly_the_params_dvc_tracks_for_it(stage):
     """MLflow's params of a run and DVC's rerun decisions must cover the same keys: a stage's PARAM_SECTIONS
     is its `params:` list in dvc.yaml."""

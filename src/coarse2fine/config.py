@@ -7,6 +7,8 @@ any heavy work. Modules receive the typed objects below and never read params.ya
 
 from __future__ import annotations
 
+import difflib
+import functools
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,18 +19,23 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 
 from coarse2fine.errors import UserError
 
-VOLO_MODEL_NAMES = tuple(
-    f"volo_{variant}_{size}"
-    for variant, sizes in {
-        "d1": (224, 384),
-        "d2": (224, 384),
-        "d3": (224, 448),
-        "d4": (224, 448),
-        "d5": (224, 448, 512),
-    }.items()
-    for size in sizes
-)
 CUSTOM_MODEL = "volo_custom"
+
+
+@functools.cache
+def timm_model_names() -> frozenset[str]:
+    """Every architecture timm can build (imported on first use: the listing stage has no need of timm)."""
+    import timm
+
+    return frozenset(timm.list_models())
+
+
+def has_token_outputs(name: str) -> bool:
+    """VOLO has a prediction per token (its aux head): token labeling and MixToken need one. timm registers
+    each architecture under the module that defines it."""
+    from timm.models import is_model_in_modules
+
+    return name == CUSTOM_MODEL or is_model_in_modules(name, ["volo"])
 
 
 class ParamsError(UserError):
@@ -152,7 +159,8 @@ class Augment(Section):
 
 
 class Model(Section):
-    name: str = CUSTOM_MODEL  # a timm VOLO name (volo_d1_224 ... volo_d5_512) or volo_custom
+    # volo_custom (below) or any timm architecture: VOLO (volo_d1_224 ...), ViT/DeiT, CNNs (resnet*, dm_nfnet_*, ...)
+    name: str = CUSTOM_MODEL
     # volo_custom only:
     layers: tuple[int, ...] = (1, 1, 1, 1)
     embed_dims: tuple[int, ...] = (64, 128, 128, 128)
@@ -160,21 +168,38 @@ class Model(Section):
     mlp_ratio: float = Field(3.0, gt=0)
     patch_size: int = Field(8, gt=0)  # stem stride; the token grid is img_size / (2 * patch_size)
     drop_path: float = Field(0.0, ge=0, lt=1)
+    # CNNs that support it (timm's output_stride, by dilation): 32 is the usual; 16 or 8 give a finer feature
+    # map, i.e. a finer token-label grid from a teacher at the same input size. null: the model's own.
+    output_stride: int | None = None
 
     @model_validator(mode="after")
     def _known(self) -> Model:
-        if self.name != CUSTOM_MODEL and self.name not in VOLO_MODEL_NAMES:
-            raise ValueError(f"name: unknown model {self.name!r}; use {CUSTOM_MODEL} or one of {', '.join(VOLO_MODEL_NAMES)}")
+        if self.name != CUSTOM_MODEL and self.name not in timm_model_names():
+            close = difflib.get_close_matches(self.name, sorted(timm_model_names()), n=3)
+            hint = f"; did you mean {', '.join(close)}?" if close else " (see timm.list_models())"
+            raise ValueError(f"name: {self.name!r} is neither {CUSTOM_MODEL} nor a timm model{hint}")
         if self.name == CUSTOM_MODEL and not (len(self.layers) == len(self.embed_dims) == len(self.num_heads)):
             raise ValueError("layers, embed_dims and num_heads: must have the same length")
         if any(dim % heads for dim, heads in zip(self.embed_dims, self.num_heads)):
             raise ValueError("embed_dims: each must be divisible by its num_heads")
+        if self.output_stride is not None and (self.output_stride not in (8, 16, 32) or self.has_token_outputs):
+            raise ValueError(f"output_stride: {self.output_stride} is not 8, 16 or 32 of a CNN (null for the model's own)")
         return self
 
     @property
-    def stride(self) -> int:
-        """Pixels per token: the image side must be a multiple of this."""
+    def has_token_outputs(self) -> bool:
+        return has_token_outputs(self.name)
+
+    @property
+    def stride(self) -> int | None:
+        """Pixels per token of a VOLO (the image side must be a multiple of it); None for other families."""
+        if not self.has_token_outputs:
+            return None
         return 2 * (self.patch_size if self.name == CUSTOM_MODEL else 8)
+
+    def token_grid(self, img_size: int) -> int | None:
+        """The side of a VOLO's token grid at `img_size` (the token-label size S); None for other families."""
+        return img_size // self.stride if self.stride else None
 
 
 class Optimizer(Section):
@@ -210,6 +235,56 @@ class Train(Section):
     val_crop_pct: float = Field(1.0, gt=0, le=2)
 
 
+class TokenLabel(Section):
+    """Token labeling in a training stage (sail-sg/volo's weights)."""
+
+    enabled: bool = False
+    cls_weight: float = Field(1.0, ge=0)  # soft CE of the class logits against the teacher's crop distribution
+    dense_weight: float = Field(0.5, ge=0)  # mean soft CE of every token's logits against its token target
+    # MixToken: one box of tokens per batch swapped with the flipped batch; part of token labeling (its targets
+    # are the token labels), so off whenever `enabled` is.
+    mix_token: bool = False
+    # The fine-tune recipe: class target = r x teacher + (1 - r) x ground truth, r = 0.9 where the teacher's
+    # crop top-1 is not the label, else 0.5.
+    ground_truth_mix: bool = False
+
+    @property
+    def mixes_tokens(self) -> bool:
+        """Whether the student is built with MixToken."""
+        return self.enabled and self.mix_token
+
+
+class Pretrain(Train):
+    token_label: TokenLabel = TokenLabel()
+
+
+class Teacher(Train):
+    """The teacher of token labeling: trained here (`train`, with the Train fields) or imported (`import`)."""
+
+    mode: Literal["train", "import"] = "train"
+    # import: a local weights file of `model` (.safetensors, or a state dict saved by torch: .pt/.pth/.bin)
+    weights: str = ""
+    model: Model = Model()  # img_size (Train's) is the teacher's input size, for training and for generation
+
+    @model_validator(mode="after")
+    def _weights_for_import(self) -> Teacher:
+        if self.mode == "import" and not self.weights:
+            raise ValueError("weights: required when mode is 'import' (a local .safetensors or .pt file)")
+        return self
+
+
+class TokenLabels(Section):
+    """Generation of the token-label store from the teacher."""
+
+    top_k: int = Field(5, gt=0)  # classes kept per grid cell (logits + indices)
+    # whole: the whole image resized to the teacher's input size, so the map covers exactly the area crop windows
+    # are normalised by. center: resize the shorter side + centre crop (the reference): misaligned for
+    # non-square images, for parity runs only.
+    teacher_view: Literal["whole", "center"] = "whole"
+    batch_size: int = Field(64, gt=0)
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # of the teacher's forward; logits stored in fp16
+
+
 class Evaluate(Section):
     img_size: int = Field(32, gt=0)
     crop_pct: float = Field(1.0, gt=0, le=2)  # resize to floor(img_size / crop_pct), centre crop
@@ -226,17 +301,32 @@ class Params(Section):
     data: Data = Data()
     loader: Loader = Loader()
     augment: Augment = Augment()
+    teacher: Teacher = Teacher()
+    token_labels: TokenLabels = TokenLabels()
     model: Model = Model()
-    pretrain: Train = Train()
+    pretrain: Pretrain = Pretrain()
     evaluate: Evaluate = Evaluate()
     tracking: Tracking = Tracking()
 
     @model_validator(mode="after")
     def _image_sizes_fit_the_token_grid(self) -> Params:
-        stride = self.model.stride
-        for key, size in (("pretrain.img_size", self.pretrain.img_size), ("evaluate.img_size", self.evaluate.img_size)):
-            if size % stride:
-                raise ValueError(f"{key}: {size} is not divisible by the model's token stride {stride} (2 x patch size)")
+        checks = (
+            ("pretrain.img_size", self.pretrain.img_size, self.model),
+            ("evaluate.img_size", self.evaluate.img_size, self.model),
+            ("teacher.img_size", self.teacher.img_size, self.teacher.model),
+        )
+        for key, size, model in checks:
+            if model.stride and size % model.stride:
+                raise ValueError(f"{key}: {size} is not divisible by the model's token stride {model.stride} (2 x patch size)")
+        return self
+
+    @model_validator(mode="after")
+    def _token_labels_need_token_outputs(self) -> Params:
+        if self.pretrain.token_label.enabled and not self.model.has_token_outputs:
+            raise ValueError(
+                f"pretrain.token_label.enabled: model.name {self.model.name!r} has no per-token outputs; "
+                f"token labeling and MixToken need a VOLO ({CUSTOM_MODEL} or volo_*)"
+            )
         return self
 
 

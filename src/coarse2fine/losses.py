@@ -5,6 +5,8 @@
   teacher's distribution over the crop (mixed by MixToken's lam when the model mixed tokens) plus, weighted,
   the mean soft cross-entropy of every token's logits against the teacher's distribution at that token.
   The token targets need no mixing: the model swaps the mixed tokens' logits back (timm's forward_train).
+  With `ground_truth_mix` (the fine-tune recipe) the class target is first mixed with the (smoothed) ground
+  truth: r x teacher + (1 - r) x ground truth, r = 0.9 where the teacher's crop top-1 is not the label, else 0.5.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import torch
 from timm.loss import SoftTargetCrossEntropy
 
 from coarse2fine.labels.store import TokenLabelStore
-from coarse2fine.labels.targets import token_targets
+from coarse2fine.config import Pretrain
+from coarse2fine.labels.targets import smooth, token_targets
 from coarse2fine.models import TrainOutput
 
 
@@ -44,10 +47,25 @@ class TokenLabelObjective:
     window and flip. sail-sg/volo's weights by default: cls_weight 1.0, dense_weight 0.5."""
 
     def __init__(
-        self, store: TokenLabelStore, *, label_smoothing: float, cls_weight: float = 1.0, dense_weight: float = 0.5
+        self,
+        store: TokenLabelStore,
+        *,
+        label_smoothing: float,
+        cls_weight: float = 1.0,
+        dense_weight: float = 0.5,
+        ground_truth_mix: bool = False,
     ):
         self.store = store
         self.label_smoothing, self.cls_weight, self.dense_weight = label_smoothing, cls_weight, dense_weight
+        self.ground_truth_mix = ground_truth_mix
+
+    @classmethod
+    def from_params(cls, store: TokenLabelStore, cfg: Pretrain) -> TokenLabelObjective:
+        token_label = cfg.token_label
+        return cls(
+            store, label_smoothing=cfg.label_smoothing, cls_weight=token_label.cls_weight,
+            dense_weight=token_label.dense_weight, ground_truth_mix=token_label.ground_truth_mix,
+        )
 
     def __call__(self, output: TrainOutput, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         device = output.cls_logits.device
@@ -59,9 +77,19 @@ class TokenLabelObjective:
                 num_classes=self.store.num_classes, token_grid=token_grid, smoothing=self.label_smoothing,
             )
         cls_target = targets.cls
+        if self.ground_truth_mix:
+            cls_target = mix_ground_truth(cls_target, batch["label"], self.label_smoothing)
         lam = mix_token_lam(output.mix_box, token_grid)
         if lam < 1.0:  # sample i's crop holds sample B-1-i's tokens inside the box
             cls_target = lam * cls_target + (1.0 - lam) * cls_target.flip(0)
         return self.cls_weight * soft_cross_entropy(output.cls_logits, cls_target) + (
             self.dense_weight * soft_cross_entropy(output.aux_logits, targets.tokens)
         )
+
+
+def mix_ground_truth(teacher: torch.Tensor, labels: torch.Tensor, smoothing: float) -> torch.Tensor:
+    """r x teacher + (1 - r) x smoothed one-hot labels, per sample: r = 0.9 where the teacher's top-1 is not
+    the label, 0.5 where it is (sail-sg/volo's fine-tuning target)."""
+    truth = smooth(torch.nn.functional.one_hot(labels, teacher.shape[-1]).to(teacher.dtype), smoothing)
+    ratio = torch.where(teacher.argmax(-1) == labels, 0.5, 0.9).unsqueeze(-1).to(teacher.dtype)
+    return ratio * teacher + (1 - ratio) * truth

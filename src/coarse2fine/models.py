@@ -1,7 +1,9 @@
-"""VOLO models: building them from `config.Model`, the training forward, and the final model file.
+"""Models: building any timm architecture (or the project's tiny VOLO) from `config.Model`, the training forward,
+local weights, and the final model file.
 
-Knows nothing of data or tracking. timm's VOLO does the work; this module only fixes the two places where
-using it naively goes wrong (see `TrainForward`) and gives the model file one documented format.
+Knows nothing of data or tracking. timm does the work; this module only fixes the two places where using its
+VOLO naively goes wrong (see `TrainForward`), loads user-given weights safely and strictly, and gives the model
+file one documented format.
 """
 
 from __future__ import annotations
@@ -19,10 +21,10 @@ from coarse2fine.errors import UserError
 from coarse2fine.files import atomic_path
 
 
-def build_model(model_cfg: Model, num_classes: int, img_size: int, *, mix_token: bool = False) -> VOLO:
-    """A randomly initialised VOLO for `img_size` x `img_size` inputs (never downloads weights).
+def build_model(model_cfg: Model, num_classes: int, img_size: int, *, mix_token: bool = False) -> nn.Module:
+    """A randomly initialised model for `img_size` x `img_size` inputs (never downloads weights).
 
-    `mix_token` turns on MixToken in the training forward only; the weights and `model(x)` are the same.
+    `mix_token` (VOLO only) turns on MixToken in the training forward; the weights and `model(x)` are the same.
     """
     if model_cfg.name == CUSTOM_MODEL:
         return VOLO(
@@ -36,41 +38,88 @@ def build_model(model_cfg: Model, num_classes: int, img_size: int, *, mix_token:
             drop_path_rate=model_cfg.drop_path,
             use_mix_token=mix_token,
         )
-    return timm.create_model(
-        model_cfg.name,
-        pretrained=False,
-        num_classes=num_classes,
-        drop_path_rate=model_cfg.drop_path,
-        img_size=img_size,
-        use_mix_token=mix_token,
-    )
+    options: dict[str, Any] = {}
+    if model_cfg.has_token_outputs:
+        options["use_mix_token"] = mix_token
+    pretrained_cfg = timm.models.get_pretrained_cfg(model_cfg.name)
+    if pretrained_cfg is not None and pretrained_cfg.fixed_input_size:  # ViT, VOLO...: the pos-embed's size
+        options["img_size"] = img_size
+    if model_cfg.output_stride is not None:
+        options["output_stride"] = model_cfg.output_stride
+    if model_cfg.drop_path > 0:  # not every architecture takes it
+        options["drop_path_rate"] = model_cfg.drop_path
+    try:
+        return timm.create_model(model_cfg.name, pretrained=False, num_classes=num_classes, **options)
+    except TypeError as error:  # an option the architecture does not take
+        raise UserError(f"{model_cfg.name}: cannot be built with {options} ({_first_line(error)})") from None
+
+
+def load_weights(model: nn.Module, path: str | Path, what: str) -> None:
+    """Load a local weights file into `model`, strictly: .safetensors, or anything torch saved that holds a
+    state dict (plain, or under "state_dict"/"model", EMA weights first, as timm's loader reads them) with
+    weights_only=True. A file that does not fit is a UserError naming it, the class counts and the keys."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{what}: {path}: weights file not found")
+    try:
+        state = timm.models.load_state_dict(str(path), use_ema=True, weights_only=True)
+    except (OSError, MemoryError):
+        raise
+    except Exception as error:  # safetensors, pickle and torch errors of every kind for a bad file
+        raise UserError(f"{what}: {path}: not a readable weights file ({type(error).__name__}: {_first_line(error)})") from None
+    expected = model.state_dict()
+    missing = [key for key in expected if key not in state]
+    unexpected = [key for key in state if key not in expected]
+    misshapen = [
+        f"{key} {tuple(state[key].shape)} vs {tuple(value.shape)}"
+        for key, value in expected.items() if key in state and state[key].shape != value.shape
+    ]
+    if missing or unexpected or misshapen:
+        problems = [
+            f"{label} {len(keys)}: {', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''}"
+            for label, keys in (("missing", missing), ("unexpected", unexpected), ("shape (file vs model)", misshapen))
+            if keys
+        ]
+        raise UserError(
+            f"{what}: {path} does not fit {type(model).__name__} with {_num_classes(model)} classes "
+            f"({'; '.join(problems)}): a file for another architecture, class count or input size?"
+        )
+    model.load_state_dict(state, strict=True)
+
+
+def _num_classes(model: nn.Module) -> int | str:
+    return getattr(model, "num_classes", "?")
 
 
 class TrainOutput(NamedTuple):
-    cls_logits: torch.Tensor  # [B, C]: head(class token)
-    aux_logits: torch.Tensor  # [B, N, C]: one prediction per token (token labeling's dense targets)
+    cls_logits: torch.Tensor  # [B, C]: head(class token) of a VOLO; the logits of any other model
+    aux_logits: torch.Tensor | None = None  # VOLO: [B, N, C], one prediction per token (token labeling's targets)
     # MixToken's box on the token grid, (row1, col1, row2, col2): inside it sample i held sample B-1-i's
     # tokens (aux_logits are already swapped back). (0, 0, 0, 0) when nothing was mixed.
     mix_box: tuple[int, int, int, int] = (0, 0, 0, 0)
 
     def merged(self) -> torch.Tensor:
-        """[B, C]: exactly what `model(x)` returns at inference (class logits + 0.5 x best token logits)."""
+        """[B, C]: exactly what `model(x)` returns at inference (VOLO: class logits + 0.5 x best token logits)."""
+        if self.aux_logits is None:
+            return self.cls_logits
         return self.cls_logits + 0.5 * self.aux_logits.amax(dim=1)
 
 
 class TrainForward(nn.Module):
-    """The training forward of a VOLO, as a module so DDP can wrap it.
+    """The training forward of a model, as a module so DDP can wrap it: `model(x)`, except for a VOLO.
 
     timm's `forward_train` returns the class token's pre-logits (the caller must apply `head_drop` and
     `head`) plus the per-token logits. Calling `ddp.module.forward_train(x)` would bypass DDP's forward,
     and gradients would never be averaged across ranks; wrapping this module in DDP keeps them in sync.
     """
 
-    def __init__(self, model: VOLO):
+    def __init__(self, model: nn.Module):
         super().__init__()
         self.model = model
 
     def forward(self, images: torch.Tensor) -> TrainOutput:
+        if not isinstance(self.model, VOLO):
+            return TrainOutput(self.model(images))
         cls_features, aux_logits, box = self.model.forward_train(images)
         cls_logits = self.model.head(self.model.head_drop(cls_features))
         return TrainOutput(cls_logits, aux_logits, tuple(int(edge) for edge in box))
@@ -80,7 +129,7 @@ MODEL_FILE_KEYS = ("model", "model_cfg", "img_size", "classes", "stage")
 
 
 def save_model_file(
-    path: str | Path, model: VOLO, *, model_cfg: Model, img_size: int, classes: Sequence[str], stage: str
+    path: str | Path, model: nn.Module, *, model_cfg: Model, img_size: int, classes: Sequence[str], stage: str
 ) -> None:
     """Write the final model file (a plain dict, loadable with weights_only=True) atomically."""
     payload = {
@@ -93,7 +142,7 @@ def save_model_file(
     atomic_save(payload, path)
 
 
-def load_model_file(path: str | Path, device: torch.device | str = "cpu") -> tuple[VOLO, dict[str, Any]]:
+def load_model_file(path: str | Path, device: torch.device | str = "cpu") -> tuple[nn.Module, dict[str, Any]]:
     """The model (in eval mode, on `device`) and the file's other fields; a missing/corrupt file is a UserError."""
     payload = load_file(path, "model file", device)
     if not isinstance(payload, dict) or not set(MODEL_FILE_KEYS) <= payload.keys():

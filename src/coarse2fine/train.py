@@ -38,8 +38,8 @@ import torch
 import torch.distributed as dist
 from timm.optim import create_optimizer_v2
 from timm.scheduler import CosineLRScheduler
-from timm.models.volo import VOLO
 from timm.utils import ModelEmaV3, distribute_bn
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from coarse2fine import config, distributed, losses, models
@@ -47,12 +47,10 @@ from coarse2fine.distributed import Runtime
 from coarse2fine.errors import UserError
 from coarse2fine.evaluate import evaluate
 from coarse2fine.progress import progress
-from coarse2fine.tracking import Tracker, stage_params
+from coarse2fine.provenance import result_params
+from coarse2fine.tracking import Tracker
 
 CHECKPOINT_FILE = "last.pt"
-# Params that change how fast a run goes, never what it computes (each loader's stream is a function of the
-# seed, epoch and rank alone): changing them must not throw away a resumable checkpoint.
-RESULT_NEUTRAL_PARAMS = frozenset({"loader.workers", "loader.prefetch"})
 PROGRESS_EVERY = 10  # steps between updates of the progress bar's loss
 
 
@@ -78,9 +76,9 @@ def seed_everything(seed: int, runtime: Runtime) -> None:
     torch.manual_seed(seed)
 
 
-def build_optimizer(model: VOLO, cfg: config.Optimizer, lr: float) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, cfg: config.Optimizer, lr: float) -> torch.optim.Optimizer:
     # timm exempts 1-D params (norms, biases) and model.no_weight_decay() (pos_embed, cls_token) from weight
-    # decay, so `model` must be the VOLO itself: through a wrapper the names would not match.
+    # decay, so `model` must be the model itself: through a wrapper the names would not match.
     betas = {} if cfg.name == "sgd" else {"betas": cfg.betas}
     return create_optimizer_v2(
         model, opt=cfg.name, lr=lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum, **betas
@@ -111,7 +109,7 @@ class Trainer:
         stage: str,
         params: config.Params,
         cfg: config.Train,
-        model: VOLO,
+        model: nn.Module,
         classes: Sequence[str],
         train_loader: Loader,
         val_loader: Loader,
@@ -122,6 +120,7 @@ class Trainer:
         model_file: Path,
         metrics_dir: Path,
         objective: Objective | None = None,
+        model_cfg: config.Model | None = None,
     ):
         self.stage, self.params, self.cfg, self.runtime = stage, params, cfg, runtime
         self.classes = list(classes)
@@ -129,6 +128,7 @@ class Trainer:
         self.param_sections = tuple(param_sections)
         self.checkpoint_path = Path(checkpoint_dir) / CHECKPOINT_FILE
         self.model_file, self.metrics_dir = Path(model_file), Path(metrics_dir)
+        self.model_cfg = model_cfg or params.model  # what the model file records as the architecture
 
         self.model = model.to(runtime.device)
         train_forward = models.TrainForward(self.model)
@@ -151,11 +151,9 @@ class Trainer:
         self.updates = 0
         self.start_epoch = 0
         # What the run's outcome depends on: a checkpoint written under anything else is stale.
-        result_params = {
-            key: value for key, value in stage_params(params, self.param_sections).items()
-            if key not in RESULT_NEUTRAL_PARAMS
+        self.run_inputs = {
+            **result_params(params, self.param_sections), "world_size": str(runtime.world_size), **provenance
         }
-        self.run_inputs = {**result_params, "world_size": str(runtime.world_size), **provenance}
 
     # ---------------------------------------------------------------------------------------------- the loop
 
@@ -189,13 +187,13 @@ class Trainer:
             if self.runtime.is_main:
                 models.save_model_file(
                     self.model_file, self.eval_model,
-                    model_cfg=self.params.model, img_size=self.cfg.img_size, classes=self.classes, stage=self.stage,
+                    model_cfg=self.model_cfg, img_size=self.cfg.img_size, classes=self.classes, stage=self.stage,
                 )
             tracker.log_summary({"top1": metrics["val_top1"], "top5": metrics["val_top5"]})
         return metrics
 
     @property
-    def eval_model(self) -> VOLO:
+    def eval_model(self) -> nn.Module:
         """What is validated and saved: the EMA weights when EMA is on."""
         return self.ema.module if self.ema else self.model
 

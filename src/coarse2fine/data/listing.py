@@ -1,10 +1,13 @@
-"""What convert's input is, cheaply enough to check at every `dvc repro` (the `source` stage).
+"""What the pipeline reads from outside the repository, cheaply enough to check at every `dvc repro` (the
+`source` stage): convert's images and, for an imported teacher, its weights file.
 
 For an ImageFolder: every visible file under the data root with its size and modification time (a stat per
 file, nothing read), hashed, as make and rsync judge a file changed. For digits: scikit-learn's version
 (the images are generated from its load_digits; the rest is in convert's params). convert depends on the
 result, so an image added, removed or replaced reruns convert and what follows; an unchanged tree gives the
-same bytes and leaves every stage cached. Kept free of heavy imports (no torch): it runs on every repro.
+same bytes and leaves every stage cached. The teacher's weights file (teacher.mode import) is judged the same
+way, by its path, size and modification time, so replacing it reruns the teacher and what follows.
+Kept free of heavy imports (no torch): it runs on every repro.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterator
 
-from coarse2fine.config import Data
+from coarse2fine.config import Data, Teacher
 from coarse2fine.errors import UserError
 
 
@@ -34,6 +37,16 @@ def source_state(data: Data) -> dict[str, Any]:
         counts[relative.parts[0]] = counts.get(relative.parts[0], 0) + 1
         total_bytes += stat.st_size
     return {"kind": "imagefolder", "root": str(root), "files": counts, "bytes": total_bytes, "digest": digest.hexdigest()}
+
+
+def weights_state(teacher: Teacher) -> dict[str, Any]:
+    if teacher.mode == "train":
+        return {"mode": "train"}
+    path = Path(teacher.weights)
+    if not path.is_file():
+        raise UserError(f"teacher.weights: {path}: weights file not found")
+    stat = path.stat()
+    return {"mode": "import", "path": str(path), "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns}
 
 
 def _visible_files(directory: Path) -> Iterator[tuple[Path, os.stat_result]]:

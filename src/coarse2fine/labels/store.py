@@ -1,7 +1,9 @@
 """The token-label store: for every train record, the teacher's top-k class logits on its score grid.
 
 A directory holding
-    header.json   {"records": N, "top_k": k, "grid": s, "num_classes": C}
+    header.json   {"records": N, "top_k": k, "grid": s, "num_classes": C, ...}: written last, the marker of a
+                  complete store; the generator adds the teacher (name, input size, view), the records' manifest
+                  digest and the fingerprint of what made it
     logits.npy    float16 [N, k, s, s]: the teacher's top-k logits per grid cell, best first
     classes.npy   int16 (int32 beyond 32767 classes) [N, k, s, s]: their class indices
 Row i belongs to the train record with index i (records.py numbers a split's records 0..N-1), so a batch's
@@ -12,8 +14,10 @@ image (not a centre crop), so a crop window normalised by the image maps straigh
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -28,33 +32,75 @@ def class_dtype(num_classes: int) -> np.dtype:
     return np.dtype(np.int16 if num_classes <= np.iinfo(np.int16).max + 1 else np.int32)
 
 
-def write_store(directory: str | Path, logits: np.ndarray, classes: np.ndarray, num_classes: int) -> None:
-    """Write a whole store (each file atomically). `logits`/`classes`: [N, k, s, s]."""
-    if logits.shape != classes.shape or logits.ndim != 4 or logits.shape[2] != logits.shape[3]:
-        raise ValueError(f"logits {logits.shape} and classes {classes.shape} must both be [N, k, s, s]")
+def allocate_arrays(directory: str | Path, records: int, top_k: int, grid: int, num_classes: int) -> StoreArrays:
+    """Create the two arrays at full size (zeros; sparse on disk), to be filled by row ranges."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    records, top_k, grid, _ = logits.shape
-    arrays = {LOGITS_FILE: logits.astype(np.float16), CLASSES_FILE: classes.astype(class_dtype(num_classes))}
-    for name, array in arrays.items():
-        with atomic_path(directory / name) as temporary, open(temporary, "wb") as file:
-            np.save(file, array)
-    header = {"records": records, "top_k": top_k, "grid": grid, "num_classes": num_classes}
-    with atomic_path(directory / HEADER_FILE) as temporary:
+    shape = (records, top_k, grid, grid)
+    for name, dtype in ((LOGITS_FILE, np.float16), (CLASSES_FILE, class_dtype(num_classes))):
+        np.lib.format.open_memmap(directory / name, mode="w+", dtype=dtype, shape=shape).flush()
+    return open_arrays(directory)
+
+
+class StoreArrays(NamedTuple):
+    logits: np.memmap   # float16 [N, k, s, s]
+    classes: np.memmap  # int16 / int32 [N, k, s, s]
+
+    def write(self, rows: np.ndarray, logits: np.ndarray, classes: np.ndarray) -> None:
+        self.logits[rows] = logits
+        self.classes[rows] = classes
+
+    def flush(self) -> None:
+        self.logits.flush()
+        self.classes.flush()
+
+
+def open_arrays(directory: str | Path, mode: str = "r+") -> StoreArrays:
+    directory = Path(directory)
+    return StoreArrays(*(np.load(directory / name, mmap_mode=mode) for name in (LOGITS_FILE, CLASSES_FILE)))
+
+
+def write_header(directory: str | Path, arrays: StoreArrays, num_classes: int, **extra: Any) -> None:
+    """The header, atomically: what makes the directory a store."""
+    records, top_k, grid, _ = arrays.logits.shape
+    header = {"records": records, "top_k": top_k, "grid": grid, "num_classes": num_classes, **extra}
+    with atomic_path(Path(directory) / HEADER_FILE) as temporary:
         Path(temporary).write_text(json.dumps(header, indent=2) + "\n")
+
+
+def header_digest(directory: str | Path) -> str:
+    """Identifies a store by its header, which names what made it (hashing GBs of arrays would cost minutes)."""
+    try:
+        return hashlib.sha256((Path(directory) / HEADER_FILE).read_bytes()).hexdigest()
+    except OSError as error:
+        raise UserError(f"{directory}: not a readable token-label store ({error})") from None
+
+
+def write_store(directory: str | Path, logits: np.ndarray, classes: np.ndarray, num_classes: int, **extra: Any) -> None:
+    """Write a whole store from in-memory arrays. `logits`/`classes`: [N, k, s, s]."""
+    if logits.shape != classes.shape or logits.ndim != 4 or logits.shape[2] != logits.shape[3]:
+        raise ValueError(f"logits {logits.shape} and classes {classes.shape} must both be [N, k, s, s]")
+    records, top_k, grid, _ = logits.shape
+    arrays = allocate_arrays(directory, records, top_k, grid, num_classes)
+    arrays.write(np.arange(records), logits, classes)
+    arrays.flush()
+    write_header(directory, arrays, num_classes, **extra)
 
 
 class TokenLabelStore:
     """Read side: `store.lookup(record_indices)` -> (logits float32, classes int64), both [B, k, s, s]."""
 
-    def __init__(self, directory: str | Path, *, records: int, num_classes: int):
+    def __init__(self, directory: str | Path, *, records: int, num_classes: int, records_digest: str | None = None):
         directory = Path(directory)
+        if not (directory / HEADER_FILE).is_file():
+            raise UserError(f"{directory}: no token labels ({HEADER_FILE} missing); run the token_labels stage first")
         try:
             header = json.loads((directory / HEADER_FILE).read_text())
             self.logits = np.load(directory / LOGITS_FILE, mmap_mode="r")
             self.classes = np.load(directory / CLASSES_FILE, mmap_mode="r")
         except (OSError, ValueError) as error:
             raise UserError(f"{directory}: not a readable token-label store ({error})") from None
+        self.header = header
         self.top_k, self.grid = header["top_k"], header["grid"]
         expected = (records, self.top_k, self.grid, self.grid)
         if header["records"] != records or self.logits.shape != expected or self.classes.shape != expected:
@@ -62,6 +108,8 @@ class TokenLabelStore:
                 f"{directory}: token labels for {header['records']} records of shape {self.logits.shape}, "
                 f"but the train split has {records} records: regenerate them for these records"
             )
+        if records_digest is not None and header.get("records_digest") != records_digest:
+            raise UserError(f"{directory}: token labels made from other records: rerun the token_labels stage")
         if header["num_classes"] != num_classes:
             raise UserError(
                 f"{directory}: token labels over {header['num_classes']} classes, the data has {num_classes}"

@@ -1,0 +1,285 @@
+"""Token-label generation: the teacher's dense class scores for every train record, into the label store.
+
+The dense head is the teacher's own classifier applied at every position of its last feature map:
+- a CNN (global pooling + classifier): each position's feature vector goes through the model's own
+  `forward_head` as a 1 x 1 map, so the pooling is the identity and the head (norm, linear...) is applied as it
+  was trained; for an average-pool + linear head the map's mean is exactly the model's logits;
+- a VOLO: its aux head on the patch tokens (its trained per-token classifier), laid back on their grid;
+- a ViT/DeiT: the class/distillation tokens dropped, the head on each patch token, laid back on the grid.
+
+The teacher sees the whole image resized to its input size (aspect ratio not kept), so the score grid covers
+exactly the area the loaders normalise their crop windows by; `center` (resize the shorter side, centre crop:
+the reference's view) misaligns map and windows on non-square images and exists for parity runs only.
+
+Resumable and rank-independent: the train records are cut into chunks of CHUNK_BATCHES batches, each a fixed
+set of rows; ranks share the chunks still to do, write their rows in place into memory-mapped arrays in the
+work directory, flush, and leave a marker per chunk. A rerun with the same inputs (fingerprint in
+`inputs.json`) skips the marked chunks; batches never depend on the rank count, so 1 or N ranks, killed or
+not, write the same bytes. When every chunk is done, rank 0 moves the arrays into the output directory,
+writes the header last and empties the work directory.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import numpy as np
+import torch
+from PIL import Image
+from timm.models.volo import VOLO
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+from torchvision.transforms import InterpolationMode
+from torchvision.transforms.v2 import functional as F
+
+from coarse2fine import distributed
+from coarse2fine.data import records
+from coarse2fine.data.loaders import IMAGE_MEAN, IMAGE_STD, count_records
+from coarse2fine.data.torch_pipeline import ShardReader
+from coarse2fine.distributed import Runtime
+from coarse2fine.errors import UserError
+from coarse2fine.files import atomic_path
+from coarse2fine.labels import store
+from coarse2fine.progress import progress
+
+CHUNK_BATCHES = 16  # batches per resumable unit of work
+INPUTS_FILE = "inputs.json"
+DONE_DIR = "done"
+IMAGENET_TRAIN_IMAGES = 1_281_167
+REFERENCE_IMAGENET_BYTES = 9.2e9  # the reference's store: [2, 5, 18, 18] fp16 per image, one file each
+
+DenseHead = Callable[[torch.Tensor], torch.Tensor]  # normalised images [B, 3, S, S] -> scores [B, C, h, w]
+
+
+def dense_head(model: nn.Module) -> DenseHead:
+    """The teacher's classifier at every position of its final feature map (see the module docstring)."""
+    if isinstance(model, VOLO):
+        return lambda images: _tokens_to_map(model.aux_head(model.forward_features(images)[:, 1:]))
+    if hasattr(model, "num_prefix_tokens") and hasattr(model, "patch_embed"):  # timm's ViT family
+        return lambda images: _tokens_to_map(_vit_token_logits(model, images))
+    return lambda images: _cnn_dense_logits(model, images)
+
+
+def _tokens_to_map(tokens: torch.Tensor) -> torch.Tensor:
+    """[B, N, C] row-major tokens of a square grid -> [B, C, s, s]."""
+    batch, count, classes = tokens.shape
+    side = int(round(count**0.5))
+    if side * side != count:
+        raise UserError(f"the teacher's {count} tokens do not form a square grid: use a square input size")
+    return tokens.transpose(1, 2).reshape(batch, classes, side, side)
+
+
+def _vit_token_logits(model: nn.Module, images: torch.Tensor) -> torch.Tensor:
+    tokens = model.forward_features(images)[:, model.num_prefix_tokens :]
+    tokens = model.fc_norm(tokens)
+    logits = model.head(tokens)
+    if getattr(model, "head_dist", None) is not None:  # DeiT distilled: inference averages both heads
+        logits = (logits + model.head_dist(tokens)) / 2
+    return logits
+
+
+def _cnn_dense_logits(model: nn.Module, images: torch.Tensor) -> torch.Tensor:
+    features = model.forward_features(images)
+    if features.ndim != 4:
+        raise UserError(
+            f"{type(model).__name__}: no dense head for features of shape {tuple(features.shape)} "
+            "(supported: CNNs with NCHW features, VOLO, ViT/DeiT)"
+        )
+    batch, channels, height, width = features.shape
+    cells = features.permute(0, 2, 3, 1).reshape(batch * height * width, channels, 1, 1)
+    logits = model.forward_head(cells)  # pooling a 1 x 1 map is the identity
+    return logits.reshape(batch, height, width, -1).permute(0, 3, 1, 2)
+
+
+@dataclass(frozen=True)
+class View:
+    """How the teacher sees an image: `whole` (resized to size x size) or `center` (shorter side, centre crop)."""
+
+    kind: str
+    size: int
+    interpolation: str
+
+    def __call__(self, image: Image.Image) -> torch.Tensor:
+        mode = InterpolationMode(self.interpolation)
+        if self.kind == "whole":
+            image = F.resize(image, [self.size, self.size], interpolation=mode)
+        else:
+            image = F.center_crop(F.resize(image, self.size, interpolation=mode), self.size)
+        return F.pil_to_tensor(image)
+
+
+class TrainRecords(Dataset):
+    """The train split by position in shard order: (uint8 image in the teacher's view, label, record index)."""
+
+    def __init__(self, records_dir: str | Path, view: View):
+        shards = records.shard_files(records_dir, "train")
+        self.reader = ShardReader(shards)
+        self.counts = count_records(shards)
+        self.starts = np.cumsum([0, *self.counts])
+        self.view = view
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def __getitem__(self, position: int) -> tuple[torch.Tensor, int, int]:
+        shard = int(np.searchsorted(self.starts, position, side="right") - 1)
+        record = self.reader.read(shard, position - int(self.starts[shard]))
+        image = Image.open(io.BytesIO(record["image"])).convert("RGB")
+        return self.view(image), int(record["label"][0]), int(record["index"][0])
+
+
+@dataclass(frozen=True)
+class Generation:
+    """What one run of `generate` did, summed over ranks and chunks (also over the chunks of a killed run)."""
+
+    images: int
+    dense_correct: int
+    generated: int  # images this run generated (the rest came from a killed run's chunks)
+    seconds: float
+    bytes_per_image: int
+
+    def metrics(self) -> dict[str, float | int]:
+        imagenet_bytes = self.bytes_per_image * IMAGENET_TRAIN_IMAGES
+        return {
+            "images": self.images,
+            "dense_top1": 100.0 * self.dense_correct / self.images,
+            "bytes_per_image": self.bytes_per_image,
+            "img_per_s": self.generated / self.seconds if self.seconds > 0 else 0.0,
+            "imagenet_gb": imagenet_bytes / 1e9,
+            "imagenet_vs_reference": imagenet_bytes / REFERENCE_IMAGENET_BYTES,
+        }
+
+
+def generate(
+    head: DenseHead,
+    records_dir: str | Path,
+    *,
+    out_dir: str | Path,
+    work_dir: str | Path,
+    view: View,
+    top_k: int,
+    batch_size: int,
+    workers: int,
+    runtime: Runtime,
+    autocast_dtype: torch.dtype | None,
+    inputs: Mapping[str, Any],
+    header: Mapping[str, Any],
+) -> Generation:
+    """Fill the store in `out_dir` (header + `header` fields) with the scores of `head` (`dense_head(teacher)`
+    of a teacher in eval mode on the device), resuming the chunks a killed run with the same `inputs` finished
+    in `work_dir`."""
+    out_dir, work_dir = Path(out_dir), Path(work_dir)
+    dataset = TrainRecords(records_dir, view)
+    num_classes = len(records.read_classes(records_dir))
+    if top_k > num_classes:
+        raise UserError(f"token_labels.top_k: {top_k} is more than the {num_classes} classes")
+    grid = _grid(head, view.size, runtime.device)
+    chunk = CHUNK_BATCHES * batch_size
+    num_chunks = -(-len(dataset) // chunk)
+
+    if runtime.is_main:
+        resumed = _prepare_work_dir(work_dir, dict(inputs), (len(dataset), top_k, grid, num_classes))
+        if resumed:
+            print(f"token_labels: resuming, {resumed} of {num_chunks} chunks done ({work_dir})", flush=True)
+    distributed.barrier()
+    arrays = store.open_arrays(work_dir)
+    pending = [index for index in range(num_chunks) if not _marker(work_dir, index).exists()]
+    mine = pending[runtime.rank :: runtime.world_size]
+
+    batches = [
+        list(range(start, min(start + batch_size, (index + 1) * chunk, len(dataset))))
+        for index in mine
+        for start in range(index * chunk, min((index + 1) * chunk, len(dataset)), batch_size)
+    ]
+    loader = DataLoader(dataset, batch_sampler=batches, num_workers=workers, pin_memory=runtime.is_cuda)
+    mean = torch.tensor(IMAGE_MEAN, device=runtime.device).view(1, 3, 1, 1) * 255
+    std = torch.tensor(IMAGE_STD, device=runtime.device).view(1, 3, 1, 1) * 255
+    start_time = time.perf_counter()
+    chunk_stats = {"images": 0, "dense_correct": 0}
+    generated = 0
+    bar = progress(loader, total=len(batches), desc="token_labels", disable=not runtime.is_main)
+    for (images, labels, indices), positions in zip(bar, batches):  # the bar first: it closes when exhausted
+        images = (images.to(runtime.device, non_blocking=True).float() - mean) / std
+        with torch.inference_mode(), torch.autocast(runtime.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            scores = head(images).float()
+        values, classes = scores.topk(top_k, dim=1)
+        predicted = scores.mean(dim=(2, 3)).argmax(dim=1).cpu()
+        arrays.write(indices.numpy(), values.cpu().numpy().astype(np.float16), classes.cpu().numpy())
+        chunk_stats["images"] += len(indices)
+        chunk_stats["dense_correct"] += int((predicted == labels).sum())
+        generated += len(indices)
+        if positions[-1] + 1 == min((positions[0] // chunk + 1) * chunk, len(dataset)):  # the chunk's last batch
+            arrays.flush()
+            _write_json(_marker(work_dir, positions[0] // chunk), chunk_stats)
+            chunk_stats = {"images": 0, "dense_correct": 0}
+    seconds = time.perf_counter() - start_time
+
+    totals = distributed.all_reduce_sum(torch.tensor([float(generated), seconds]))
+    distributed.barrier()  # every rank's markers are written
+    stats = [json.loads(_marker(work_dir, index).read_text()) for index in range(num_chunks) if _marker(work_dir, index).exists()]
+    if len(stats) != num_chunks:
+        raise RuntimeError(f"{work_dir}: {num_chunks - len(stats)} chunks without a marker after every rank finished")
+    result = Generation(
+        images=sum(item["images"] for item in stats),
+        dense_correct=sum(item["dense_correct"] for item in stats),
+        generated=int(totals[0]),
+        seconds=float(totals[1]) / runtime.world_size,  # ranks run side by side: their mean wall time
+        bytes_per_image=arrays.logits[0].nbytes + arrays.classes[0].nbytes,
+    )
+    if runtime.is_main:
+        _publish(work_dir, out_dir, arrays, num_classes, header)
+    distributed.barrier()
+    return result
+
+
+def _grid(head: DenseHead, size: int, device: torch.device) -> int:
+    with torch.inference_mode():
+        height, width = head(torch.zeros(1, 3, size, size, device=device)).shape[2:]
+    if height != width:
+        raise UserError(f"the teacher's score map at {size} px is {height} x {width}, not square")
+    return int(height)
+
+
+def _marker(work_dir: Path, chunk: int) -> Path:
+    return work_dir / DONE_DIR / f"chunk-{chunk:06d}.json"
+
+
+def _write_json(path: Path, value: Any) -> None:
+    with atomic_path(path) as temporary:
+        temporary.write_text(json.dumps(value, sort_keys=True) + "\n")
+
+
+def _prepare_work_dir(work_dir: Path, inputs: dict[str, Any], shape: tuple[int, int, int, int]) -> int:
+    """Keep a killed run's work when it was made from the same inputs (returns its finished chunks), else start
+    afresh: allocate the arrays and record the inputs (last, so a half-made work dir never matches)."""
+    inputs_file = work_dir / INPUTS_FILE
+    try:
+        if json.loads(inputs_file.read_text()) == inputs:
+            arrays = store.open_arrays(work_dir, mode="r")
+            if arrays.logits.shape == arrays.classes.shape == shape[:2] + (shape[2], shape[2]):
+                return len(list((work_dir / DONE_DIR).glob("chunk-*.json")))
+    except (OSError, ValueError):
+        pass
+    shutil.rmtree(work_dir, ignore_errors=True)
+    records_count, top_k, grid, num_classes = shape
+    store.allocate_arrays(work_dir, records_count, top_k, grid, num_classes)
+    (work_dir / DONE_DIR).mkdir()
+    _write_json(inputs_file, inputs)
+    return 0
+
+
+def _publish(work_dir: Path, out_dir: Path, arrays: store.StoreArrays, num_classes: int, header: Mapping[str, Any]) -> None:
+    """Move the finished arrays into `out_dir`, header last; then empty the work dir (DVC wants it to exist)."""
+    shutil.rmtree(out_dir, ignore_errors=True)
+    out_dir.mkdir(parents=True)
+    for name in (store.LOGITS_FILE, store.CLASSES_FILE):
+        (work_dir / name).replace(out_dir / name)
+    store.write_header(out_dir, arrays, num_classes, **header)
+    shutil.rmtree(work_dir)
+    work_dir.mkdir()

@@ -1,0 +1,76 @@
+"""Token labels (params token_labels.*): the teacher's top-k dense scores for every train record, in data/token_labels.
+
+Ranks split the records; a killed run resumes from its last finished chunk (data/token_labels_partial);
+1 or N ranks write the same bytes. Metrics: the teacher's dense top-1 (spatially averaged map vs the label),
+bytes per image and what the same settings would take for ImageNet-1K, generation img/s.
+"""
+
+import argparse
+import hashlib
+import json
+from pathlib import Path
+
+from coarse2fine import cli, distributed, models, provenance
+from coarse2fine.config import Params
+from coarse2fine.data import records
+from coarse2fine.errors import UserError
+from coarse2fine.labels.generate import REFERENCE_IMAGENET_BYTES, View, dense_head, generate
+from coarse2fine.tracking import Tracker
+
+# What this stage reads (as dvc.yaml lists it): the generation's settings, the loader's worker count, the resize.
+PARAM_SECTIONS = ("token_labels", "loader.workers", "augment.interpolation")
+
+
+def main(params: Params, args: argparse.Namespace) -> None:
+    cfg = params.token_labels
+    classes = records.read_classes(args.records)
+    records_digest = records.manifest_digest(args.records)
+    with distributed.session() as runtime:
+        teacher, info = models.load_model_file(args.teacher, runtime.device)
+        if info["classes"] != classes:
+            raise UserError(f"{args.teacher}: a teacher for other classes than {args.records}; rerun the teacher stage")
+        # What the store is a function of: a killed run's chunks are only kept when all of it is the same.
+        inputs = {
+            **provenance.result_params(params, PARAM_SECTIONS),
+            "teacher_digest": _file_digest(args.teacher),
+            "records_digest": records_digest,
+            **provenance.fingerprint(__file__),
+        }
+        header = {
+            "teacher": {"name": info["model_cfg"]["name"], "img_size": info["img_size"], "view": cfg.teacher_view},
+            "records_digest": records_digest,
+            "inputs_digest": hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest(),
+        }
+        with Tracker("token_labels", params, runtime, metrics_dir=args.metrics, param_sections=PARAM_SECTIONS) as tracker:
+            result = generate(
+                dense_head(teacher), args.records, out_dir=args.out, work_dir=args.work_dir,
+                view=View(cfg.teacher_view, info["img_size"], params.augment.interpolation),
+                top_k=cfg.top_k, batch_size=cfg.batch_size, workers=params.loader.workers, runtime=runtime,
+                autocast_dtype=runtime.autocast_dtype(cfg.precision), inputs=inputs, header=header,
+            )
+            metrics = result.metrics()
+            tracker.log_summary(metrics)
+            if runtime.is_main:
+                print(
+                    f"token_labels: {metrics['images']} images, teacher dense top-1 {metrics['dense_top1']:.2f} %, "
+                    f"{metrics['bytes_per_image']} bytes/image (ImageNet-1K: {metrics['imagenet_gb']:.2f} GB, "
+                    f"the reference's {REFERENCE_IMAGENET_BYTES / 1e9:.1f} GB), {metrics['img_per_s']:.0f} img/s",
+                    flush=True,
+                )
+
+
+def _file_digest(path: str) -> str:
+    with open(path, "rb") as file:
+        return hashlib.file_digest(file, "sha256").hexdigest()
+
+
+if __name__ == "__main__":
+    parser = cli.stage_parser(__doc__.splitlines()[0])
+    parser.add_argument("--records", default="data/records", help="records directory (default: data/records)")
+    parser.add_argument("--teacher", default="models/teacher/model.pt", help="default: models/teacher/model.pt")
+    parser.add_argument("--out", default="data/token_labels", help="the label store (default: data/token_labels)")
+    parser.add_argument(
+        "--work-dir", default="data/token_labels_partial", help="a run's resumable work (default: data/token_labels_partial)"
+    )
+    parser.add_argument("--metrics", default="metrics/token_labels", help="default: metrics/token_labels")
+    cli.run(main, parser)

@@ -1,0 +1,261 @@
+"""Token-label generation: the teacher's dense head, the whole-image view aligned with the loaders' crop windows
+(through both real loaders), resuming after a crash, and 2 ranks writing the same bytes as 1."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+import yaml
+from conftest import cpu_runtime, make_params
+from PIL import Image
+
+from coarse2fine import models
+from coarse2fine.config import Model
+from coarse2fine.data import records
+from coarse2fine.data.convert import convert
+from coarse2fine.data.loaders import build_loader
+from coarse2fine.labels import store, targets
+from coarse2fine.labels.generate import IMAGENET_TRAIN_IMAGES, View, dense_head, generate
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ------------------------------------------------------------------------------------------------ dense head
+
+
+@pytest.mark.parametrize("name", ["resnet10t", "efficientnet_b0", "regnetx_002", "rexnet_100", "dm_nfnet_f0"])
+def test_a_cnn_dense_map_averages_to_the_models_own_logits(name):
+    """Global average pooling + a linear classifier: the classifier at every position, averaged, is the model."""
+    torch.manual_seed(0)
+    model = models.build_model(Model(name=name), num_classes=7, img_size=64).eval()
+    images = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        dense, logits = dense_head(model)(images), model(images)
+    assert dense.shape[:2] == (2, 7) and dense.shape[2] == dense.shape[3] == 2  # stride 32
+    torch.testing.assert_close(dense.mean(dim=(2, 3)), logits, atol=1e-5, rtol=1e-4)
+
+
+def test_token_models_lay_their_patch_tokens_back_on_the_grid():
+    torch.manual_seed(0)
+    volo = models.build_model(Model(patch_size=4), num_classes=5, img_size=32)
+    forward = models.TrainForward(volo).train()
+    volo.patch_embed.eval()  # the training forward only runs in train mode: freeze BatchNorm to compare
+    images = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        aux_logits = forward(images).aux_logits  # [B, 16, C], row-major: VOLO's own per-token predictions
+        dense = dense_head(volo.eval())(images)
+    torch.testing.assert_close(dense, aux_logits.transpose(1, 2).reshape(2, 5, 4, 4))
+
+    vit = models.build_model(Model(name="vit_tiny_patch16_224"), num_classes=5, img_size=64).eval()
+    with torch.no_grad():
+        tokens = vit.forward_features(images.repeat(1, 1, 2, 2))[:, vit.num_prefix_tokens :]  # class token dropped
+        dense = dense_head(vit)(images.repeat(1, 1, 2, 2))
+    torch.testing.assert_close(dense[:, :, 1, 2], vit.head(vit.fc_norm(tokens))[:, 1 * 4 + 2])
+
+
+# ------------------------------------------------------------------------- alignment through the real loaders
+
+RED, BLUE = (255, 0, 0), (0, 0, 255)
+TEACHER_GRID = 8
+
+
+def two_colour_folder(root: Path) -> Path:
+    """Non-square images, red on the left quarter and blue on the rest, in two classes (labels do not matter).
+    Off-centre, so that a centre crop of a wide image loses the red part."""
+    sizes = [(64, 32), (40, 96), (96, 48), (48, 80), (72, 24), (32, 64)]  # (width, height), widths divisible by 4
+    for split, count in (("train", 12), ("val", 1)):
+        for name in ("red", "blue"):
+            (root / split / name).mkdir(parents=True)
+            for i in range(count):
+                width, height = sizes[i % len(sizes)]
+                image = Image.new("RGB", (width, height), RED)
+                image.paste(BLUE, (width // 4, 0, width, height))
+                image.save(root / split / name / f"{i}.png")
+    return root
+
+
+def colour_teacher(images: torch.Tensor) -> torch.Tensor:
+    """A fixed 1 x 1 conv on an 8 x 8 pooling: class 0 ("blue", sorted first) scores blue - red, class 1 red - blue."""
+    pooled = F.adaptive_avg_pool2d(images, TEACHER_GRID)
+    blue_minus_red = pooled[:, 2] - pooled[:, 0]
+    return torch.stack([blue_minus_red, -blue_minus_red], dim=1) * 5
+
+
+@pytest.fixture(scope="module")
+def two_colour_records(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = two_colour_folder(tmp_path_factory.mktemp("two_colour"))
+    records_dir = root / "records"
+    convert(make_params(data={"source": "imagefolder", "root": str(root), "convert_workers": 1}), cpu_runtime(), records_dir)
+    assert records.read_classes(records_dir) == ["blue", "red"]
+    return records_dir
+
+
+def generate_store(records_dir: Path, out: Path, *, view: str = "whole", head=colour_teacher, batch_size: int = 8, **options):
+    return generate(
+        head, records_dir, out_dir=out, work_dir=out.with_name(out.name + "_partial"),
+        view=View(view, 32, "bicubic"), top_k=2, batch_size=batch_size, workers=0, runtime=cpu_runtime(),
+        autocast_dtype=None, inputs={"batch_size": batch_size}, header={}, **options,
+    )
+
+
+def token_colour_agreement(records_dir: Path, store_dir: Path, backend: str) -> tuple[int, int]:
+    """(tokens whose target is the colour of their pixels, tokens checked): random crops and flips through the real
+    loader, targets from the store for each crop window; only tokens over pixels of a single colour are checked."""
+    params = make_params(
+        loader={"backend": backend, "workers": 1},
+        augment={"scale": [0.08, 1.0], "ratio": [0.5, 2.0], "hflip": 0.5},
+    )
+    loader = build_loader(
+        "train", records_dir, img_size=32, batch_size=8, runtime=cpu_runtime(), loader_cfg=params.loader,
+        augment_cfg=params.augment, crop_pct=1.0, seed=0,
+    )
+    labels = store.TokenLabelStore(store_dir, records=24, num_classes=2)
+    agree = checked = 0
+    for epoch in range(4):
+        loader.set_epoch(epoch)
+        for batch in loader:
+            logits, classes = labels.lookup(batch["index"])
+            target = targets.token_targets(
+                logits, classes, batch["window"], batch["flip"], num_classes=2, token_grid=4, smoothing=0.0
+            ).tokens.argmax(-1)  # [B, 16]: 0 blue, 1 red
+            # Each token covers an 8 x 8 patch: red where the red channel beats the blue one (normalised units).
+            red = (batch["image"][:, 0] > batch["image"][:, 2]).float()
+            red_share = F.avg_pool2d(red[:, None], 8).flatten(1)  # [B, 16]
+            single = (red_share == 0) | (red_share == 1)
+            agree += int(((target == red_share.long()) & single).sum())
+            checked += int(single.sum())
+    return agree, checked
+
+
+@pytest.mark.parametrize("backend", ["dali", "torch"])
+def test_token_targets_follow_the_colours_through_both_loaders(two_colour_records, tmp_path, backend):
+    generate_store(two_colour_records, tmp_path / "labels")
+    agree, checked = token_colour_agreement(two_colour_records, tmp_path / "labels", backend)
+    assert checked >= 300  # measured: about 600 of 768 tokens lie over one colour
+    assert agree == checked
+
+
+def test_the_references_swapped_box_order_misplaces_the_targets(two_colour_records, tmp_path, monkeypatch):
+    """Control: (top, left, bottom, right) given to roi_align as (x1, y1, x2, y2), as the reference did."""
+    generate_store(two_colour_records, tmp_path / "labels")
+    proper_boxes = targets.window_boxes
+
+    def swapped_boxes(window: torch.Tensor, grid: int) -> torch.Tensor:
+        boxes = proper_boxes(window, grid)
+        return boxes[:, [0, 2, 1, 4, 3]]
+
+    monkeypatch.setattr(targets, "window_boxes", swapped_boxes)
+    agree, checked = token_colour_agreement(two_colour_records, tmp_path / "labels", "torch")
+    assert agree < 0.9 * checked
+
+
+def test_the_references_centre_view_misplaces_the_targets_of_non_square_images(two_colour_records, tmp_path):
+    generate_store(two_colour_records, tmp_path / "labels", view="center")
+    agree, checked = token_colour_agreement(two_colour_records, tmp_path / "labels", "torch")
+    assert agree < 0.95 * checked
+
+
+# ------------------------------------------------------------------------------------- resume, ranks, metrics
+
+
+class Crash(Exception):
+    pass
+
+
+def crashing_after(calls: int, head):
+    counter = itertools.count()
+
+    def run(images: torch.Tensor) -> torch.Tensor:
+        if next(counter) == calls:
+            raise Crash
+        return head(images)
+
+    return run
+
+
+def store_bytes(directory: Path) -> dict[str, bytes]:
+    return {name: (directory / name).read_bytes() for name in (store.LOGITS_FILE, store.CLASSES_FILE, store.HEADER_FILE)}
+
+
+def random_teacher(num_classes: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return models.build_model(Model(name="resnet10t", output_stride=8), num_classes=num_classes, img_size=32).eval()
+
+
+def test_a_crashed_generation_resumes_to_the_same_bytes(digits_records, tmp_path, capsys):
+    head = dense_head(random_teacher(10))
+    whole = generate_store(digits_records, tmp_path / "whole" / "labels", head=head)
+    assert whole.generated == whole.images == 434
+    # 434 records in chunks of 16 batches x 8 = 128: 4 chunks. Crash in the middle of the second one
+    # (call 0 measures the grid).
+    with pytest.raises(Crash):
+        generate_store(digits_records, tmp_path / "crashed" / "labels", head=crashing_after(1 + 20, head))
+    assert not (tmp_path / "crashed" / "labels").exists()
+    resumed = generate_store(digits_records, tmp_path / "crashed" / "labels", head=head)
+    assert "resuming, 1 of 4 chunks done" in capsys.readouterr().out
+    assert resumed.generated == 434 - 128 and resumed.images == 434
+    assert resumed.dense_correct == whole.dense_correct
+    assert store_bytes(tmp_path / "crashed" / "labels") == store_bytes(tmp_path / "whole" / "labels")
+    assert list((tmp_path / "crashed" / "labels_partial").iterdir()) == []  # emptied once published
+
+    # Other inputs (here: another batch size, which regroups the batches) never resume a partial run.
+    with pytest.raises(Crash):
+        generate_store(digits_records, tmp_path / "other" / "labels", head=crashing_after(1 + 20, head))
+    generate_store(digits_records, tmp_path / "other" / "labels", head=head, batch_size=4)
+    assert "resuming" not in capsys.readouterr().out
+
+
+def test_store_metrics_and_header(digits_records, tmp_path):
+    result = generate_store(digits_records, tmp_path / "labels", head=dense_head(random_teacher(10)))
+    metrics = result.metrics()
+    assert metrics["bytes_per_image"] == 2 * 4 * 4 * (2 + 2)  # top-2 x 4 x 4 cells x (fp16 logit + int16 class)
+    assert metrics["imagenet_gb"] == pytest.approx(metrics["bytes_per_image"] * IMAGENET_TRAIN_IMAGES / 1e9)
+    assert 0 <= metrics["dense_top1"] <= 100 and metrics["img_per_s"] > 0
+    header = json.loads((tmp_path / "labels" / store.HEADER_FILE).read_text())
+    assert header == {"records": 434, "top_k": 2, "grid": 4, "num_classes": 10}
+
+
+def run_token_labels_stage(tmp_path: Path, records_dir: Path, teacher_file: Path, nproc: int) -> Path:
+    out = tmp_path / f"ranks{nproc}"
+    out.mkdir()
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    params["token_labels"]["batch_size"] = 16
+    (out / "params.yaml").write_text(yaml.safe_dump(params))
+    command = [
+        sys.executable, "-m", "coarse2fine.launch", "--standalone", f"--nproc_per_node={nproc}",
+        str(ROOT / "stages/token_labels.py"), "--params", str(out / "params.yaml"), "--records", str(records_dir),
+        "--teacher", str(teacher_file), "--out", str(out / "labels"), "--work-dir", str(out / "partial"),
+        "--metrics", str(out / "metrics"),
+    ]
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{out / 'mlflow.db'}", "MLFLOW_DISABLE_TELEMETRY": "true"}
+    subprocess.run(command, cwd=out, env=env, check=True, capture_output=True, text=True, timeout=300)
+    return out
+
+
+@pytest.mark.slow
+def test_two_ranks_write_the_same_bytes_as_one(digits_records, tmp_path):
+    model_cfg = Model(name="resnet10t", output_stride=8)
+    teacher_file = tmp_path / "teacher.pt"
+    models.save_model_file(
+        teacher_file, random_teacher(10), model_cfg=model_cfg, img_size=32,
+        classes=records.read_classes(digits_records), stage="teacher",
+    )
+    one, two = (run_token_labels_stage(tmp_path, digits_records, teacher_file, nproc) for nproc in (1, 2))
+    assert store_bytes(one / "labels") == store_bytes(two / "labels")
+    header = json.loads((one / "labels" / store.HEADER_FILE).read_text())
+    assert header["teacher"] == {"name": "resnet10t", "img_size": 32, "view": "whole"}
+    assert header["records_digest"] == records.manifest_digest(digits_records)
+    metrics = [json.loads((run / "metrics" / "metrics.json").read_text()) for run in (one, two)]
+    assert metrics[0]["images"] == metrics[1]["images"] == 434
+    assert metrics[0]["dense_top1"] == metrics[1]["dense_top1"]
+    labels = np.load(one / "labels" / store.CLASSES_FILE)
+    assert labels.shape == (434, 5, 4, 4) and labels.dtype == np.int16

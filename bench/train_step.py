@@ -27,8 +27,9 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
+import yaml
 
-from _common import CPU, CpuTimed, goal, header_line, interleaved, markdown_table, write_json
+from _common import CPU, PROJECT_ROOT, CpuTimed, goal, header_line, interleaved, markdown_table, write_json
 from coarse2fine import losses, models
 from coarse2fine.config import Params, parse_params
 from coarse2fine.labels.store import TokenLabelStore, write_store
@@ -37,7 +38,7 @@ from coarse2fine.train import Trainer, seed_everything
 NUM_CLASSES = 10
 GOAL_VS_BARE = 0.95
 GOAL_TOKEN_LABEL_COST = 0.15
-# The teacher's maps in the bench store: top-5 classes on a 4 x 4 grid (finer than the tiny model's 2 x 2 tokens).
+# The teacher's maps in the bench store: top-5 classes on a 4 x 4 grid (the default teacher's, at 32 px).
 TOP_K, TEACHER_GRID = 5, 4
 
 
@@ -48,7 +49,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), metavar="N",
                         help=f"torch intra-op threads (default: {torch.get_num_threads()}, this machine's default)")
     parser.add_argument("--patch-size", type=int, metavar="N",
-                        help="model.patch_size (default: params.yaml's 8, i.e. 2 x 2 tokens at 32 px; 4 gives 4 x 4)")
+                        help="model.patch_size (default: params.yaml's 4, i.e. 4 x 4 tokens at 32 px; 8 gives 2 x 2)")
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write the raw numbers (every repeat) as JSON")
     return parser.parse_args()
 
@@ -228,8 +229,11 @@ def report(
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
-    # The schema defaults = params.yaml's model and pretrain sections.
-    params = parse_params({"model": {"patch_size": args.patch_size}} if args.patch_size else {})
+    # params.yaml's model and pretrain sections (the default student), with --patch-size if given.
+    raw = yaml.safe_load((PROJECT_ROOT / "params.yaml").read_text())
+    if args.patch_size:
+        raw["model"]["patch_size"] = args.patch_size
+    params = parse_params(raw)
     batches = random_batches(params, args.steps)
     with tempfile.TemporaryDirectory(prefix="coarse2fine-bench-") as scratch:
         store = random_token_labels(Path(scratch) / "token_labels", args.steps * params.pretrain.batch_size, params.seed)

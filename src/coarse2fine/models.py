@@ -66,7 +66,8 @@ def load_weights(model: nn.Module, path: str | Path, what: str) -> None:
     except (OSError, MemoryError):
         raise
     except Exception as error:  # safetensors, pickle and torch errors of every kind for a bad file
-        raise UserError(f"{what}: {path}: not a readable weights file ({type(error).__name__}: {_first_line(error)})") from None
+        reason = f"{type(error).__name__}: {_first_line(error)}"
+        raise UserError(f"{what}: {path}: not a readable weights file ({reason})") from None
     expected = model.state_dict()
     missing = [key for key in expected if key not in state]
     unexpected = [key for key in state if key not in expected]

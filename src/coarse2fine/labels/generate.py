@@ -206,7 +206,8 @@ def generate(
     bar = progress(loader, total=len(batches), desc="token_labels", disable=not runtime.is_main)
     for (images, labels, indices), positions in zip(bar, batches):  # the bar first: it closes when exhausted
         images = (images.to(runtime.device, non_blocking=True).float() - mean) / std
-        with torch.inference_mode(), torch.autocast(runtime.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+        autocast = torch.autocast(runtime.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None)
+        with torch.inference_mode(), autocast:
             scores = head(images).float()
         values, classes = scores.topk(top_k, dim=1)
         predicted = scores.mean(dim=(2, 3)).argmax(dim=1).cpu()
@@ -222,7 +223,8 @@ def generate(
 
     totals = distributed.all_reduce_sum(torch.tensor([float(generated), seconds]))
     distributed.barrier()  # every rank's markers are written
-    stats = [json.loads(_marker(work_dir, index).read_text()) for index in range(num_chunks) if _marker(work_dir, index).exists()]
+    markers = [_marker(work_dir, index) for index in range(num_chunks)]
+    stats = [json.loads(marker.read_text()) for marker in markers if marker.exists()]
     if len(stats) != num_chunks:
         raise RuntimeError(f"{work_dir}: {num_chunks - len(stats)} chunks without a marker after every rank finished")
     result = Generation(
@@ -274,7 +276,9 @@ def _prepare_work_dir(work_dir: Path, inputs: dict[str, Any], shape: tuple[int, 
     return 0
 
 
-def _publish(work_dir: Path, out_dir: Path, arrays: store.StoreArrays, num_classes: int, header: Mapping[str, Any]) -> None:
+def _publish(
+    work_dir: Path, out_dir: Path, arrays: store.StoreArrays, num_classes: int, header: Mapping[str, Any]
+) -> None:
     """Move the finished arrays into `out_dir`, header last; then empty the work dir (DVC wants it to exist)."""
     shutil.rmtree(out_dir, ignore_errors=True)
     out_dir.mkdir(parents=True)

@@ -28,4 +28,4 @@ if __name__ == "__main__":
     parser.add_argument(
         "--teacher-out", type=Path, default=Path("data/teacher_source.json"), help="default: data/teacher_source.json"
     )
-    cli.run(main, parser)
+    cli.run(main, parser, check_model_names=False)  # no model here; every later stage checks them

@@ -159,3 +159,14 @@ def test_weights_that_do_not_fit_are_one_error_naming_the_file(tmp_path):
     (tmp_path / "garbage.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(UserError, match="garbage.pt: not a readable weights file"):
         models.load_weights(tiny_model(name="resnet10t"), tmp_path / "garbage.pt", "teacher.weights")
+
+
+def test_the_token_models_are_exactly_timms_volo_architectures():
+    """config.has_token_outputs goes by the name (volo_*), to validate params without importing timm."""
+    import timm
+    from timm.models import is_model_in_modules
+
+    from coarse2fine.config import has_token_outputs
+
+    names = timm.list_models()
+    assert {name for name in names if is_model_in_modules(name, ["volo"])} == set(filter(has_token_outputs, names))

@@ -68,6 +68,19 @@ def test_token_labeling_off_means_mix_token_off_and_any_student():
     assert parse_params(raw).model.name == "resnet18"
 
 
+def test_the_listing_stage_validates_params_without_importing_timm():
+    """The source stage runs at every `dvc repro`: importing timm (and torch) would cost seconds each time."""
+    program = (
+        "import sys; from coarse2fine.config import load_params; "
+        "params = load_params('params.yaml', check_model_names=False); "
+        "assert params.teacher.model.name == 'resnet10t'; "
+        "assert 'timm' not in sys.modules and 'torch' not in sys.modules, 'timm or torch imported'"
+    )
+    subprocess.run([sys.executable, "-c", program], cwd=ROOT, check=True, timeout=60)
+    with pytest.raises(ParamsError, match="resnet10tt"):  # every other stage checks the names
+        parse_params(with_change("teacher.model.name", "resnet10tt"))
+
+
 def test_unknown_keys_are_errors_not_ignored():
     raw = shipped()
     raw["pretrain"]["optimiser"] = {"lr_base": 1.0}  # British spelling: a typo that must not be dropped

@@ -24,12 +24,18 @@ def stage_parser(description: str) -> argparse.ArgumentParser:
     return parser
 
 
-def run(main: Callable[[Params, argparse.Namespace], None], parser: argparse.ArgumentParser) -> None:
-    """Parse args, validate the whole params file, run `main`; a UserError exits 2 with one clear line."""
+def run(
+    main: Callable[[Params, argparse.Namespace], None],
+    parser: argparse.ArgumentParser,
+    *,
+    check_model_names: bool = True,
+) -> None:
+    """Parse args, validate the whole params file, run `main`; a UserError exits 2 with one clear line.
+    `check_model_names=False` skips the model names' check against timm's registry (see config.CHECK_MODEL_NAMES)."""
     args = parser.parse_args()
     die_with_the_launcher()
     try:
-        params = load_params(args.params)
+        params = load_params(args.params, check_model_names=check_model_names)
         main(params, args)
     except UserError as error:
         report_user_error(error)

@@ -293,9 +293,10 @@ def test_dvclive_inside_dvc_repro_and_exp_run_only_writes_its_files(workdir, sto
 
     git("init", "-q", cwd=repo)
     run(*dvc, "init", "-q")
-    params_yaml = (PROJECT_ROOT / "params.yaml").read_text()
-    params_yaml = params_yaml.replace("epochs: 10", "epochs: 3", 1).replace("experiment: coarse2fine", f"experiment: {request.node.name}")
-    (repo / "params.yaml").write_text(params_yaml)
+    params = yaml.safe_load((PROJECT_ROOT / "params.yaml").read_text())
+    params["pretrain"]["epochs"] = 3
+    params["tracking"]["experiment"] = request.node.name
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     (repo / "train.py").write_text(textwrap.dedent(STAGE_SCRIPT))
     dvc_yaml = textwrap.dedent(DVC_YAML).format(python=sys.executable)
     (repo / "dvc.yaml").write_text(dvc_yaml)

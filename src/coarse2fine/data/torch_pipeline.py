@@ -134,11 +134,21 @@ class ShardReader:
         self.paths = [str(tfrecord) for tfrecord, _ in shards]
         # Per shard, (offset, length) of each whole frame, as the convert stage's index lists them.
         self.frames = [np.loadtxt(index, dtype=np.int64, ndmin=2) for _, index in shards]
+        # Position of each shard's first record in the split (records are numbered across shards in order).
+        self.first_positions = list(itertools.accumulate((len(frames) for frames in self.frames), initial=0))
         self._files: list[io.FileIO] = []
         self._pid = -1  # the process that opened _files: a forked worker must open its own
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_files": [], "_pid": -1}  # open files do not pickle (spawned workers)
+
+    def __len__(self) -> int:
+        return self.first_positions[-1]
+
+    def read_position(self, position: int) -> dict:
+        """The record at `position` of the split (shards in order)."""
+        shard = bisect.bisect_right(self.first_positions, position) - 1
+        return self.read(shard, position - self.first_positions[shard])
 
     def read(self, shard: int, k: int) -> dict:
         """The record as the tfrecord package decodes it (ints as 1-element int64 arrays, bytes as bytes)."""
@@ -159,18 +169,15 @@ class RecordDataset(Dataset):
 
     def __init__(self, shards: list[tuple[Path, Path]], settings: LoaderSettings):
         self.reader = ShardReader(shards)
-        self.counts = settings.record_counts
-        self.first_positions = list(itertools.accumulate(self.counts, initial=0))[:-1]
         self.seed = settings.seed
         self.transform = TrainTransform(settings) if settings.split == "train" else ValTransform(settings)
 
     def __len__(self) -> int:
-        return sum(self.counts)
+        return len(self.reader)
 
     def __getitem__(self, key: tuple[int, int]) -> dict[str, torch.Tensor]:
         epoch, position = key
-        shard = bisect.bisect_right(self.first_positions, position) - 1
-        record = self.reader.read(shard, position - self.first_positions[shard])
+        record = self.reader.read_position(position)
         record_index, label = int(record["index"][0]), int(record["label"][0])
         image = Image.open(io.BytesIO(record["image"]))
         if image.mode != "RGB":  # greyscale JPEGs pass through convert; converting an RGB image would only copy it

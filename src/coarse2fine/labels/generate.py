@@ -40,7 +40,7 @@ from torchvision.transforms.v2 import functional as F
 
 from coarse2fine import distributed
 from coarse2fine.data import records
-from coarse2fine.data.loaders import IMAGE_MEAN, IMAGE_STD, count_records
+from coarse2fine.data.loaders import IMAGE_MEAN, IMAGE_STD
 from coarse2fine.data.torch_pipeline import ShardReader
 from coarse2fine.distributed import Runtime
 from coarse2fine.errors import UserError
@@ -118,18 +118,14 @@ class TrainRecords(Dataset):
     """The train split by position in shard order: (uint8 image in the teacher's view, label, record index)."""
 
     def __init__(self, records_dir: str | Path, view: View):
-        shards = records.shard_files(records_dir, "train")
-        self.reader = ShardReader(shards)
-        self.counts = count_records(shards)
-        self.starts = np.cumsum([0, *self.counts])
+        self.reader = ShardReader(records.shard_files(records_dir, "train"))
         self.view = view
 
     def __len__(self) -> int:
-        return int(self.starts[-1])
+        return len(self.reader)
 
     def __getitem__(self, position: int) -> tuple[torch.Tensor, int, int]:
-        shard = int(np.searchsorted(self.starts, position, side="right") - 1)
-        record = self.reader.read(shard, position - int(self.starts[shard]))
+        record = self.reader.read_position(position)
         image = Image.open(io.BytesIO(record["image"])).convert("RGB")
         return self.view(image), int(record["label"][0]), int(record["index"][0])
 

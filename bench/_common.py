@@ -217,7 +217,7 @@ def write_json(args: argparse.Namespace, text: str, raw: dict) -> None:
 # ----------------------------------------------------------------------------------- a DVC project copy
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
-STAGE_LINE = re.compile(r"Running stage '([\w-]+)'")
+STAGE_LINE = re.compile(r"Running stage '([\w@-]+)'")
 
 
 def merge_params(base: dict, change: dict) -> dict:

@@ -5,10 +5,10 @@ tests/test_pipeline.py makes it) with fast params, a full `dvc repro` runs once 
 --repeats interleaved rounds:
 - no-op: `dvc repro` with nothing changed (must run only the `source` stage, which lists the source images at
   every repro and writes the same digest, so nothing after it runs);
-- last stage only: `evaluate.crop_pct` set to a value not used before (DVC's run cache would restore a previous
-  value's outputs without running anything), then `dvc repro` (must run evaluate and the listing only; the time
-  in the stages between them, convert, teacher, token_labels and pretrain, from `Running stage` lines, must be
-  0). evaluate is the last stage until the fine-tune stage exists.
+- last stage only: `evaluate.finetune.crop_pct` set to a value not used before (DVC's run cache would restore a
+  previous value's outputs without running anything), then `dvc repro` (must run evaluate@finetune, the
+  two-line compare and the listing only; the time in the stages between, convert to finetune, from `Running
+  stage` lines, must be 0).
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from pathlib import Path
 from _common import ProjectCopy, Repro, goal, header_line, markdown_table, workspace, write_json
 
 GOAL_NOOP_SECONDS = 3.0
-LAST_STAGE = "evaluate"
+LAST_STAGE = "evaluate@finetune"
+REPORT_STAGE = "compare"  # reads the evaluations: reruns with the last one
 LISTING_STAGE = "source"  # always runs: its unchanged output is what keeps the rest cached
 FIRST_CROP_PCT, CROP_PCT_STEP = 0.875, -0.025  # a new value every round: a real run, never a run-cache restore
 
@@ -29,7 +30,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--subset", type=float, default=0.3, metavar="F", help="data.subset of the copy (default: 0.3)")
     parser.add_argument("--epochs", type=int, default=2, metavar="N",
-                        help="pretrain.epochs and teacher.epochs of the copy (default: 2)")
+                        help="teacher.epochs, pretrain.epochs and finetune.epochs of the copy (default: 2)")
     parser.add_argument("--repeats", type=int, default=5, metavar="N", help="rounds of both timings (default: 5)")
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write the raw numbers (every repeat) as JSON")
     parser.add_argument("--workdir", type=Path, metavar="DIR", help="make the project copy here (default: a temp dir)")
@@ -37,8 +38,10 @@ def parse_args() -> argparse.Namespace:
 
 
 def earlier_seconds(run: Repro) -> float:
-    """Seconds in the stages between the listing and the last stage (convert, teacher, token_labels, pretrain)."""
-    return sum(seconds for stage, seconds in run.stage_seconds.items() if stage not in (LISTING_STAGE, LAST_STAGE))
+    """Seconds in the stages between the listing and the last stage (convert to finetune)."""
+    return sum(
+        seconds for stage, seconds in run.stage_seconds.items() if stage not in (LISTING_STAGE, LAST_STAGE, REPORT_STAGE)
+    )
 
 
 def stage_median(runs: list[Repro], stage: str) -> float:
@@ -68,8 +71,8 @@ def report(full: Repro, noop: list[Repro], change: list[Repro], args: argparse.N
             f"{noop_median:.2f} s, ran {ran(noop)}",
         ),
         goal(
-            f"a change under {LAST_STAGE}: runs only {LAST_STAGE} (and the listing), 0 s in the stages between",
-            all(ran([run]) == f"{LAST_STAGE}, {LISTING_STAGE}" for run in change) and earlier == 0,
+            f"a change under evaluate.finetune: runs only {LAST_STAGE} (and {REPORT_STAGE}, the listing), 0 s in the stages between",
+            all(ran([run]) == f"{REPORT_STAGE}, {LAST_STAGE}, {LISTING_STAGE}" for run in change) and earlier == 0,
             f"ran {ran(change)}, {earlier:.2f} s in the stages between",
         ),
     ]
@@ -78,14 +81,13 @@ def report(full: Repro, noop: list[Repro], change: list[Repro], args: argparse.N
         [
             header_line(),
             "",
-            f"`dvc repro` in a fresh project copy (data.subset {args.subset}, teacher.epochs and pretrain.epochs {args.epochs}); first full "
-            f"run {full.seconds:.1f} s ({full_stages}); then median of {args.repeats} interleaved rounds. "
-            f"The last stage is {LAST_STAGE} (the fine-tune stage does not exist yet).",
+            f"`dvc repro` in a fresh project copy (data.subset {args.subset}, teacher/pretrain/finetune epochs {args.epochs}); "
+            f"first full run {full.seconds:.1f} s ({full_stages}); then median of {args.repeats} interleaved rounds.",
             "",
             markdown_table(
                 ["dvc repro after", "wall s (median)", "wall s range", "stages run", f"s in {LISTING_STAGE} (median)",
                  "s in the stages between (max)", f"s in {LAST_STAGE} (median)"],
-                [row("no change", noop), row(f"{LAST_STAGE}.crop_pct changed", change)],
+                [row("no change", noop), row("evaluate.finetune.crop_pct changed", change)],
             ),
             "",
             "Goals: " + "; ".join(goals) + ".",
@@ -103,13 +105,13 @@ def report(full: Repro, noop: list[Repro], change: list[Repro], args: argparse.N
 def main() -> None:
     args = parse_args()
     with workspace(args.workdir) as work:
-        fast = {"data": {"subset": args.subset}, "teacher": {"epochs": args.epochs}, "pretrain": {"epochs": args.epochs}}
+        fast = {"data": {"subset": args.subset}, **{stage: {"epochs": args.epochs} for stage in ("teacher", "pretrain", "finetune")}}
         project = ProjectCopy(work / "project", fast)
         full = project.repro()
         noop, change = [], []
         for repeat in range(args.repeats):
             noop.append(project.repro())
-            project.edit_params({LAST_STAGE: {"crop_pct": round(FIRST_CROP_PCT + CROP_PCT_STEP * repeat, 3)}})
+            project.edit_params({"evaluate": {"finetune": {"crop_pct": round(FIRST_CROP_PCT + CROP_PCT_STEP * repeat, 3)}}})
             change.append(project.repro())
     text, raw = report(full, noop, change, args)
     print(text)

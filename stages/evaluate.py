@@ -1,27 +1,34 @@
-"""Evaluate a model file on the val records: metrics.json, per_class.json and confusion_matrix.png (+ MLflow).
+"""Evaluate a trained model on the val records: metrics.json, per_class.json and confusion_matrix.png (+ MLflow).
 
-Runs as `python stages/evaluate.py` or under `torchrun --nproc_per_node=N` (every rank evaluates its share of
-the records, rank 0 writes the files).
+`--model models/finetune/model.pt --settings finetune` evaluates that model under params evaluate.finetune: at the
+resolution it was trained at (from its model file), with that section's crop_pct, and again at each of its
+extra_sizes (the model rebuilt at that size, its position embedding resampled): metrics.json holds `top1`,
+`top5`, `loss`, `n`, `img_size`, and `top1_at_<size>` / `top5_at_<size>` per extra size. Runs as
+`python stages/evaluate.py` or under `torchrun --nproc_per_node=N` (every rank evaluates its share of the
+records, rank 0 writes the files).
 """
 
 import argparse
 from pathlib import Path
 
 from coarse2fine import cli, distributed, models
-from coarse2fine.config import Params
+from coarse2fine.config import EVALUATED_MODELS, ModelEvaluation, Params
 from coarse2fine.data import records
-from coarse2fine.data.loaders import build_loader
+from coarse2fine.data.loaders import Loader, build_loader
+from coarse2fine.distributed import Runtime
 from coarse2fine.errors import UserError
 from coarse2fine.evaluate import evaluate, write_confusion_matrix_png, write_per_class_json
 from coarse2fine.tracking import Tracker
 
-# What this stage reads: evaluate.*, loader.*, and augment.interpolation (the val resize).
-# Exactly the keys dvc.yaml lists for this stage (the val loader takes the seed and the interpolation).
-PARAM_SECTIONS = ("seed", "evaluate", "loader", "augment.interpolation")
+
+def param_sections(settings: str) -> tuple[str, ...]:
+    """What this stage reads, exactly the keys dvc.yaml lists for it (the val loader takes the seed and the
+    interpolation)."""
+    return ("seed", "evaluate.batch_size", f"evaluate.{settings}", "loader", "augment.interpolation")
 
 
 def main(params: Params, args: argparse.Namespace) -> None:
-    cfg = params.evaluate
+    cfg = getattr(params.evaluate, args.settings)
     out = Path(args.out)
     classes_file = Path(args.records) / records.CLASSES_FILE
     classes = records.read_classes(args.records)
@@ -29,24 +36,34 @@ def main(params: Params, args: argparse.Namespace) -> None:
         model, info = models.load_model_file(args.model, runtime.device)
         if info["classes"] != classes:
             raise UserError(_class_mismatch(args.model, info["classes"], classes_file, classes))
-        if info["img_size"] != cfg.img_size:
-            # VOLO's position embedding fixes the input size: the model cannot run at another resolution.
-            raise UserError(f"evaluate.img_size: {cfg.img_size}, but {args.model} takes {info['img_size']} px images")
-        loader = build_loader(
-            "val", args.records, img_size=cfg.img_size, batch_size=cfg.batch_size, runtime=runtime,
-            loader_cfg=params.loader, augment_cfg=params.augment, crop_pct=cfg.crop_pct, seed=params.seed,
-        )
-        with Tracker("evaluate", params, runtime, metrics_dir=out, param_sections=PARAM_SECTIONS) as tracker:
+        own_size = info["img_size"]
+        stage = f"evaluate@{args.settings}"
+        with Tracker(stage, params, runtime, metrics_dir=out, param_sections=param_sections(args.settings)) as tracker:
             tracker.set_tag("model_file", args.model)
             tracker.set_tag("model_stage", info["stage"])
-            result = evaluate(model, loader, runtime, len(classes))
-            tracker.log_summary(result.summary())
+            result = evaluate(model, _val_loader(params, cfg, args.records, own_size, runtime), runtime, len(classes))
+            summary = result.summary() | {"img_size": own_size}
+            lines = [f"{stage}: at {own_size} px (its own): top-1 {result.top1:.2f} %, top-5 {result.top5:.2f} %, "
+                     f"loss {result.loss:.4f}, n = {result.n}"]
+            for size in (size for size in cfg.extra_sizes if size != own_size):
+                resized, _ = models.load_model_file(args.model, runtime.device, img_size=size)
+                extra = evaluate(resized, _val_loader(params, cfg, args.records, size, runtime), runtime, len(classes))
+                summary |= {f"top1_at_{size}": extra.top1, f"top5_at_{size}": extra.top5}
+                lines.append(f"{stage}: at {size} px: top-1 {extra.top1:.2f} %, top-5 {extra.top5:.2f} %")
+            tracker.log_summary(summary)
             if runtime.is_main:
                 write_per_class_json(out / "per_class.json", result, classes)
                 write_confusion_matrix_png(out / "confusion_matrix.png", result, classes)
-                print(f"evaluate: top-1 {result.top1:.2f} %, top-5 {result.top5:.2f} %, loss {result.loss:.4f}, n = {result.n}")
+                print("\n".join(lines), flush=True)
             for path in (out / "per_class.json", out / "confusion_matrix.png", classes_file):
                 tracker.log_artifact(path)
+
+
+def _val_loader(params: Params, cfg: ModelEvaluation, records_dir: str, img_size: int, runtime: Runtime) -> Loader:
+    return build_loader(
+        "val", records_dir, img_size=img_size, batch_size=params.evaluate.batch_size, runtime=runtime,
+        loader_cfg=params.loader, augment_cfg=params.augment, crop_pct=cfg.crop_pct, seed=params.seed,
+    )
 
 
 def _class_mismatch(model_file: str, model_classes: list[str], classes_file: Path, classes: list[str]) -> str:
@@ -64,7 +81,12 @@ def _class_mismatch(model_file: str, model_classes: list[str], classes_file: Pat
 
 if __name__ == "__main__":
     parser = cli.stage_parser(__doc__.splitlines()[0])
-    parser.add_argument("--model", default="models/pretrain/model.pt", help="model file (default: models/pretrain/model.pt)")
+    parser.add_argument("--model", default="models/finetune/model.pt", help="model file (default: models/finetune/model.pt)")
+    parser.add_argument(
+        "--settings", choices=EVALUATED_MODELS, default="finetune", help="the section of evaluate.* (default: finetune)"
+    )
     parser.add_argument("--records", default="data/records", help="records directory (default: data/records)")
-    parser.add_argument("--out", default="metrics/evaluate", help="metrics directory (default: metrics/evaluate)")
+    parser.add_argument(
+        "--out", default="metrics/evaluate/finetune", help="metrics directory (default: metrics/evaluate/finetune)"
+    )
     cli.run(main, parser)

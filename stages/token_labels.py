@@ -14,6 +14,7 @@ from coarse2fine import cli, distributed, models, provenance
 from coarse2fine.config import Params
 from coarse2fine.data import records
 from coarse2fine.errors import UserError
+from coarse2fine.files import file_sha256
 from coarse2fine.labels.generate import REFERENCE_IMAGENET_BYTES, View, dense_head, generate
 from coarse2fine.tracking import Tracker
 
@@ -32,7 +33,7 @@ def main(params: Params, args: argparse.Namespace) -> None:
         # What the store is a function of: a killed run's chunks are only kept when all of it is the same.
         inputs = {
             **provenance.result_params(params, PARAM_SECTIONS),
-            "teacher_digest": _file_digest(args.teacher),
+            "teacher_digest": file_sha256(args.teacher),
             "records_digest": records_digest,
             **provenance.fingerprint(__file__),
         }
@@ -57,11 +58,6 @@ def main(params: Params, args: argparse.Namespace) -> None:
                     f"the reference's {REFERENCE_IMAGENET_BYTES / 1e9:.1f} GB), {metrics['img_per_s']:.0f} img/s",
                     flush=True,
                 )
-
-
-def _file_digest(path: str) -> str:
-    with open(path, "rb") as file:
-        return hashlib.file_digest(file, "sha256").hexdigest()
 
 
 if __name__ == "__main__":

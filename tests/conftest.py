@@ -151,4 +151,4 @@ class Project:
 
 
 def ran_stages(dvc_output: str) -> set[str]:
-    return set(re.findall(r"Running stage '([\w-]+)'", dvc_output))
+    return set(re.findall(r"Running stage '([\w@-]+)'", dvc_output))

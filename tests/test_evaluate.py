@@ -223,7 +223,7 @@ def test_stage_under_torchrun_counts_every_sample_exactly_once(odd_records, mode
     store = tmp_path / "mlflow.db"
     (tmp_path / "params.yaml").write_text(yaml.safe_dump({
         # 62-sample batches: rank 0 gets 62 records (one batch), rank 1 63 (a full batch and one of 1).
-        "evaluate": {"img_size": IMG_SIZE, "batch_size": 62},
+        "evaluate": {"batch_size": 62},
         "loader": {"workers": 1},
         "tracking": {"experiment": "evaluate-test"},
     }))
@@ -232,14 +232,14 @@ def test_stage_under_torchrun_counts_every_sample_exactly_once(odd_records, mode
     subprocess.run(
         [
             str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node=2", str(STAGE),
-            "--model", str(model_file), "--records", str(odd_records), "--out", str(out),
+            "--model", str(model_file), "--settings", "pretrain", "--records", str(odd_records), "--out", str(out),
         ],
         cwd=tmp_path, env=env, check=True, capture_output=True, text=True, timeout=600,
     )
 
     assert sorted(os.listdir(out)) == ["confusion_matrix.png", "metrics.json", "per_class.json"]
     metrics = json.loads((out / "metrics.json").read_text())
-    assert metrics["n"] == ODD_VAL_RECORDS
+    assert (metrics["n"], metrics["img_size"]) == (ODD_VAL_RECORDS, IMG_SIZE)
     assert (metrics["top1"], metrics["top5"]) == (reference.top1, reference.top5)
     assert metrics["loss"] == pytest.approx(reference.loss, rel=1e-6)
     per_class = json.loads((out / "per_class.json").read_text())
@@ -249,8 +249,11 @@ def test_stage_under_torchrun_counts_every_sample_exactly_once(odd_records, mode
 
     client = MlflowClient(f"sqlite:///{store}")
     [run] = client.search_runs([client.get_experiment_by_name("evaluate-test").experiment_id])
-    assert run.info.run_name == "evaluate" and run.info.status == "FINISHED"
-    assert run.data.metrics == {"top1": reference.top1, "top5": reference.top5, "loss": pytest.approx(reference.loss, rel=1e-6), "n": ODD_VAL_RECORDS}
+    assert run.info.run_name == "evaluate@pretrain" and run.info.status == "FINISHED"
+    assert run.data.metrics == {
+        "top1": reference.top1, "top5": reference.top5, "loss": pytest.approx(reference.loss, rel=1e-6),
+        "n": ODD_VAL_RECORDS, "img_size": IMG_SIZE,
+    }
     assert run.data.params["evaluate.batch_size"] == "62"
     assert sorted(item.path for item in client.list_artifacts(run.info.run_id)) == ["classes.json", "confusion_matrix.png", "per_class.json"]
 
@@ -267,7 +270,7 @@ def test_stage_refuses_records_with_other_classes(odd_records, model_file, tmp_p
     shutil.copytree(odd_records, other_records)
     classes = records.read_classes(odd_records)
     (other_records / records.CLASSES_FILE).write_text(json.dumps([*classes[:3], "cat", *classes[4:]]))
-    args = argparse.Namespace(model=str(model_file), records=str(other_records), out=str(tmp_path / "out"))
+    args = argparse.Namespace(model=str(model_file), settings="pretrain", records=str(other_records), out=str(tmp_path / "out"))
     with pytest.raises(UserError) as error:
         load_stage_module().main(make_params(), args)
     message = str(error.value)
@@ -276,7 +279,18 @@ def test_stage_refuses_records_with_other_classes(odd_records, model_file, tmp_p
     assert not (tmp_path / "out").exists()
 
 
-def test_stage_refuses_an_image_size_the_model_cannot_take(odd_records, model_file, tmp_path):
-    args = argparse.Namespace(model=str(model_file), records=str(odd_records), out=str(tmp_path / "out"))
-    with pytest.raises(UserError, match=r"evaluate.img_size: 64, but .*model.pt takes 32 px images"):
-        load_stage_module().main(make_params(evaluate={"img_size": 64}), args)
+def test_stage_evaluates_at_extra_resolutions_with_the_position_embedding_resampled(odd_records, model_file, tmp_path, monkeypatch):
+    args = argparse.Namespace(model=str(model_file), settings="finetune", records=str(odd_records), out=str(tmp_path / "out"))
+    params = make_params(evaluate={"finetune": {"extra_sizes": [IMG_SIZE, 48]}}, tracking={"experiment": "extra"})
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    load_stage_module().main(params, args)
+    metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert metrics["img_size"] == IMG_SIZE and "top1_at_32" not in metrics  # its own size is not repeated
+    # The same model rebuilt for 48 px inputs: another number, from the same weights, over the same images.
+    resized, _ = models.load_model_file(model_file, img_size=48)
+    assert tuple(resized.pos_embed.shape[1:3]) == (3, 3)  # 2 x 2 tokens at 32 px, 3 x 3 at 48
+    loader48 = build_loader(
+        "val", odd_records, img_size=48, batch_size=64, runtime=cpu_runtime(),
+        loader_cfg=make_params().loader, augment_cfg=make_params().augment, crop_pct=1.0, seed=0,
+    )
+    assert metrics["top1_at_48"] == evaluate(resized, loader48, cpu_runtime(), NUM_CLASSES).top1

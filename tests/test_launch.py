@@ -91,7 +91,7 @@ MISTAKES: dict[str, tuple[str, Callable[[Project, Path], dict], list[str]]] = {
         ["batch_size 300", "217 training records each of 2 rank(s)"],
     ),
     "model and records classes differ": (
-        "evaluate", lambda project, tmp: model_with_other_classes(project) or {},
+        "evaluate@pretrain", lambda project, tmp: model_with_other_classes(project) or {},
         ["model.pt has 10 classes", "differ at label 0", "'class 0' vs '0'"],
     ),
     "rand_augment magnitude above 10": (

@@ -42,7 +42,8 @@ def test_shipped_params_are_valid_and_complete():
         ("data.subset", 0.0, "data.subset: Input should be greater than 0 (got 0.0)"),
         ("data.source", "s3", "data.source: Input should be 'digits' or 'imagefolder' (got 's3')"),
         ("pretrain.img_size", 36, "pretrain.img_size: 36 is not divisible by the model's token stride 8"),
-        ("evaluate.img_size", 33, "evaluate.img_size: 33 is not divisible by the model's token stride 8"),
+        ("finetune.img_size", 36, "finetune.img_size: 36 is not divisible by the model's token stride 8"),
+        ("evaluate.finetune.extra_sizes", [40, 33], "evaluate.finetune.extra_sizes: 33 is not divisible by the model's token stride 8"),
         ("augment.scale", [0.9, 0.1], "augment.scale: must be 0 < low <= high (got [0.9, 0.1])"),
         ("model.name", "resnet50x", "model.name: 'resnet50x' is neither volo_custom nor a timm model; did you mean resnet50"),
         ("teacher.model.name", "volo_d9", "teacher.model.name: 'volo_d9' is neither volo_custom nor a timm model"),
@@ -51,9 +52,16 @@ def test_shipped_params_are_valid_and_complete():
         ("token_labels.teacher_view", "crop", "token_labels.teacher_view: Input should be 'whole' or 'center'"),
         # Token labeling needs a prediction per token: a CNN student has none.
         ("model.name", "resnet18", "pretrain.token_label.enabled: model.name 'resnet18' has no per-token outputs"),
+        # Two ways of mixing batches at once: Mixup's targets are the ground truth, MixToken's the token labels.
+        ("finetune.mixup", {"mixup_alpha": 0.2}, "finetune.mixup: Mixup/CutMix mixes ground-truth targets, but finetune.token_label.enabled"),
+        ("teacher.mixup", {"cutmix_alpha": 1.0, "prob": 0.5}, None),  # the teacher learns from the ground truth
+        ("teacher.batch_size", 63, None),
     ],
 )
 def test_bad_values_name_the_key(path, value, expected):
+    if expected is None:  # valid as it is
+        parse_params(with_change(path, value))
+        return
     with pytest.raises(ParamsError) as error:
         parse_params(with_change(path, value))
     assert expected in str(error.value)
@@ -64,8 +72,16 @@ def test_token_labeling_off_means_mix_token_off_and_any_student():
     raw = with_change("pretrain.token_label.enabled", False)  # `dvc exp run -S pretrain.token_label.enabled=false`
     assert raw["pretrain"]["token_label"]["mix_token"] is True
     assert not parse_params(raw).pretrain.token_label.mixes_tokens
+    raw["finetune"]["token_label"]["enabled"] = False
     raw["model"]["name"] = "resnet18"  # without token labels, any timm model can be the student
     assert parse_params(raw).model.name == "resnet18"
+
+
+def test_mixup_pairs_the_samples_of_a_batch():
+    raw = with_change("teacher.mixup", {"mixup_alpha": 0.2})
+    raw["teacher"]["batch_size"] = 63
+    with pytest.raises(ParamsError, match=r"^params.yaml: teacher.batch_size: 63 is odd; Mixup/CutMix pairs the samples"):
+        parse_params(raw)
 
 
 def test_the_listing_stage_validates_params_without_importing_timm():

@@ -22,20 +22,24 @@ from conftest import Project, merge, ran_stages
 pytestmark = pytest.mark.slow
 
 # Small but real: enough updates to learn (10 epochs x 13 updates of 32 digits), on few images to keep
-# each full run short. The LR follows the linear scaling rule: 0.032 x 32 / 1024 = 1e-3. The student learns
-# from the ground truth here (130 updates are too few for token labels and MixToken, measured 71 %); the
-# token-label path runs in test_killed_stages_resume_to_the_uninterrupted_result.
+# each full run short. The LR follows the linear scaling rule: 0.032 x 32 / 1024 = 1e-3. The student
+# pre-trains on the ground truth here (130 updates are too few for token labels and MixToken, measured 71 %),
+# at 16 px (2 x 2 tokens), then fine-tunes at 24 px (3 x 3 tokens) with token labels, MixToken and ground-truth
+# mixing, as the recipe does; test_killed_stages_resume_to_the_uninterrupted_result pre-trains on token labels.
 FAST = {
     "data": {"subset": 0.3},
     "teacher": {"epochs": 3, "batch_size": 32, "optimizer": {"lr_base": 0.032}},
-    "model": {"patch_size": 8},  # 2 x 2 tokens: the tiny VOLO that learns fastest
     "pretrain": {
-        "epochs": 10, "batch_size": 32, "optimizer": {"lr_base": 0.032},
+        "img_size": 16, "epochs": 10, "batch_size": 32, "optimizer": {"lr_base": 0.032},
         "token_label": {"enabled": False},
     },
+    "finetune": {"img_size": 24, "epochs": 2, "batch_size": 32, "optimizer": {"lr_base": 0.0032}},
+    "evaluate": {"pretrain": {"extra_sizes": []}, "finetune": {"extra_sizes": [16]}},
 }
 TOKEN_LABELS = {"pretrain": {"token_label": {"enabled": True, "mix_token": True}}}
-EVERY_STAGE = {"source", "convert", "teacher", "token_labels", "pretrain", "evaluate"}
+EVALUATIONS = {"evaluate@pretrain", "evaluate@finetune", "compare"}
+EVERY_STAGE = {"source", "convert", "teacher", "token_labels", "pretrain", "finetune", *EVALUATIONS}
+FINETUNED = {"finetune", "evaluate@finetune", "compare"}
 EPOCHS_TO_KILL = 4
 # A behaviour change in a module pretrain and the teacher import (not their scripts): the ground-truth objective
 # stops learning.
@@ -69,43 +73,53 @@ def model_hash(project: Project) -> str:
 
 def test_repro_reruns_exactly_what_a_params_or_code_change_affects(project):
     assert project.repro() == EVERY_STAGE
-    evaluated = project.metrics("evaluate")
-    assert evaluated["top1"] >= 90.0, evaluated  # chance is 10 %
-    assert evaluated["n"] == json.loads((project.path / "data/records/manifest.json").read_text())["splits"]["val"]["images"]
+    val_images = json.loads((project.path / "data/records/manifest.json").read_text())["splits"]["val"]["images"]
+    coarse, fine = project.metrics("evaluate/pretrain"), project.metrics("evaluate/finetune")
+    assert coarse["top1"] >= 90.0 and fine["top1"] >= 90.0, (coarse, fine)  # chance is 10 %
+    assert (coarse["img_size"], fine["img_size"], coarse["n"], fine["n"]) == (16, 24, val_images, val_images)
+    assert "top1_at_16" in fine  # and at the extra test resolution, its position embedding resampled
+    compared = json.loads((project.path / "metrics/compare.json").read_text())
+    assert compared["finetune"]["top1"] == fine["top1"] and compared["pretrain"]["img_size"] == 16
+    assert compared["finetune_gain_top1"] == pytest.approx(fine["top1"] - coarse["top1"])
 
     assert project.repro() == {"source"}  # a second run only lists the source, which is unchanged
 
-    project.edit_params({"evaluate": {"crop_pct": 0.875}})
-    assert project.repro() == {"source", "evaluate"}
+    project.edit_params({"evaluate": {"finetune": {"crop_pct": 0.875}}})
+    assert project.repro() == {"source", "evaluate@finetune", "compare"}
+
+    # Only finetune.*: the data, teacher, token labels and the pre-trained model stay cached.
+    project.edit_params({"finetune": {"label_smoothing": 0.0}})
+    assert project.repro() == {"source", *FINETUNED}
 
     project.edit_params({"pretrain": {"label_smoothing": 0.0}})  # only pretrain.*: teacher and labels stay cached
-    assert project.repro() == {"source", "pretrain", "evaluate"}
+    assert project.repro() == {"source", "pretrain", "finetune", *EVALUATIONS}
     assert project.metrics("pretrain")["top1"] >= 90.0
 
-    # Another teacher: new token labels, and pretrain reruns on them. Learning from the ground truth here, it
-    # trains the same weights bit for bit, so DVC leaves evaluate cached.
+    # Another teacher: new token labels, and both students rerun on them. Pre-training on the ground truth here,
+    # it trains the same weights bit for bit, so DVC leaves its evaluation cached.
     project.edit_params({"teacher": {"epochs": 4}})
-    assert project.repro() == {"source", "teacher", "token_labels", "pretrain"}
+    assert project.repro() == {"source", "teacher", "token_labels", "pretrain", *FINETUNED}
     assert project.metrics("teacher")["top1"] >= 50.0  # chance is 10 %
 
-    # A behaviour change in a module pretrain and the teacher import: models/*_ckpt survive reruns (persist) and
+    # A behaviour change in a module the training stages import: models/*_ckpt survive reruns (persist) and
     # hold the last epoch under the same params, but a checkpoint written by other code must not be resumed.
     project.edit_code(*NO_LEARNING)
-    assert project.repro() == {"source", "teacher", "token_labels", "pretrain", "evaluate"}  # no convert
+    assert project.repro() == EVERY_STAGE - {"convert"}
     assert project.metrics("teacher")["top1"] < 40.0  # trained under the new code, which learns nothing
     assert project.metrics("pretrain")["top1"] < 40.0
-    assert project.metrics("evaluate")["top1"] < 40.0
+    assert project.metrics("evaluate/pretrain")["top1"] < 40.0
 
     shown = json.loads(project.run("dvc", "metrics", "show", "--json").stdout)
     (workspace,) = shown.values()  # the only revision shown: the workspace
     files = workspace["data"]
-    assert files["metrics/evaluate/metrics.json"]["data"]["top1"] == project.metrics("evaluate")["top1"]
-    assert files["metrics/pretrain/metrics.json"]["data"]["top1"] == project.metrics("pretrain")["top1"]
+    for name in ("evaluate/pretrain", "evaluate/finetune", "pretrain", "finetune"):
+        assert files[f"metrics/{name}/metrics.json"]["data"]["top1"] == project.metrics(name)["top1"]
+    assert files["metrics/compare.json"]["data"]["finetune"]["top1"] == project.metrics("evaluate/finetune")["top1"]
 
     # An experiment with one knob changed, as a user runs it; it sees the same cache.
     project.commit("params")
     output = project.run("dvc", "exp", "run", "-S", "evaluate.batch_size=128").stdout
-    assert ran_stages(output) == {"source", "evaluate"}
+    assert ran_stages(output) == {"source", *EVALUATIONS}
 
 
 def kill_repro_when(project: Project, stage: str, ready: Callable[[], bool], poll_seconds: float = 0.1) -> None:
@@ -132,7 +146,10 @@ def store_bytes(project: Project) -> dict[str, bytes]:
 def test_killed_stages_resume_to_the_uninterrupted_result(project):
     # Token labels in batches of one image: 16-record chunks, slow enough to be killed in the middle. Pretrain
     # learns from them, with MixToken.
-    project.edit_params(merge({"token_labels": {"batch_size": 1}, "pretrain": {"epochs": EPOCHS_TO_KILL}}, TOKEN_LABELS))
+    project.edit_params(merge(
+        {"token_labels": {"batch_size": 1}, "pretrain": {"epochs": EPOCHS_TO_KILL}, "finetune": {"epochs": 1}},
+        TOKEN_LABELS,
+    ))
     assert project.repro() == EVERY_STAGE
     checkpoint = project.path / "models/pretrain_ckpt/last.pt"
     assert "token_labels_digest" in torch.load(checkpoint, weights_only=True)["inputs"]
@@ -173,10 +190,10 @@ def test_killed_stages_resume_to_the_uninterrupted_result(project):
 def test_a_queued_experiment_runs_its_own_code(project):
     """`dvc exp run --queue` snapshots the workspace; its run must import that snapshot's src/, not the
     workspace's (nor the editable install's)."""
-    project.edit_params({"pretrain": {"epochs": 2}})  # what is trained does not matter here
+    project.edit_params({"pretrain": {"epochs": 2}, "finetune": {"epochs": 1}})  # what is trained does not matter
     assert project.repro() == EVERY_STAGE
     project.commit("results")
-    reported = project.metrics("evaluate")["top1"]
+    reported = project.metrics("evaluate/finetune")["top1"]
 
     project.edit_code(*SENTINEL_TOP1)
     project.run("dvc", "exp", "run", "--queue", "--name", "sentinel")
@@ -192,8 +209,8 @@ def test_a_queued_experiment_runs_its_own_code(project):
         experiment["name"]: experiment for baseline in shown for experiment in baseline.get("experiments") or []
     }
     results = experiments["sentinel"]["revs"][0]["data"]["metrics"]
-    assert results["metrics/evaluate/metrics.json"]["data"]["top1"] == -1.0
-    assert project.metrics("evaluate")["top1"] == reported  # the workspace is untouched
+    assert results["metrics/evaluate/finetune/metrics.json"]["data"]["top1"] == -1.0
+    assert project.metrics("evaluate/finetune")["top1"] == reported  # the workspace is untouched
 
 
 def write_image_tree(root: Path) -> None:
@@ -224,7 +241,9 @@ def test_same_pipeline_on_an_imagefolder_and_a_changed_folder_reruns(project, tm
     write_image_tree(images)
     project.edit_params({
         "data": {"source": "imagefolder", "root": str(images), "subset": 1.0},
-        "pretrain": {"batch_size": 16, "optimizer": {"lr_base": 0.064}},  # 120 images: 7 updates/epoch
+        # 120 images: 7 updates/epoch
+        "pretrain": {"batch_size": 16, "optimizer": {"lr_base": 0.064}},
+        "finetune": {"batch_size": 16, "optimizer": {"lr_base": 0.0064}},
         "token_labels": {"top_k": 3},  # of 3 classes
     })
     assert project.repro() == EVERY_STAGE
@@ -232,8 +251,8 @@ def test_same_pipeline_on_an_imagefolder_and_a_changed_folder_reruns(project, tm
     assert manifest["splits"]["train"]["images"] == 120
     assert [item["reason"] for item in manifest["splits"]["train"]["skipped"]]  # the broken file, with a reason
     assert json.loads((project.path / "data/records/classes.json").read_text()) == ["class 0", "class 1", "class 7"]
-    assert project.metrics("evaluate")["n"] == 36
-    assert project.metrics("evaluate")["top1"] > 60.0  # chance is 33 %
+    assert project.metrics("evaluate/finetune")["n"] == 36
+    assert project.metrics("evaluate/finetune")["top1"] > 60.0  # chance is 33 %
 
     assert project.repro() == {"source"}  # the folder is unchanged: nothing else runs
 
@@ -241,4 +260,4 @@ def test_same_pipeline_on_an_imagefolder_and_a_changed_folder_reruns(project, tm
 
     digit_image(load_digits().images[0]).save(images / "val" / "class 0" / "added.png")
     assert project.repro() == EVERY_STAGE
-    assert project.metrics("evaluate")["n"] == 37
+    assert project.metrics("evaluate/finetune")["n"] == 37

@@ -19,7 +19,9 @@ CODE_DIRS = ("stages/", "src/")
 
 
 def dvc_stages() -> dict[str, dict]:
-    return yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    """Each stage's definition (a foreach stage's `do`, the same for every item)."""
+    stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    return {name: stage.get("do", stage) for name, stage in stages.items()}
 
 
 def relative(files: list[Path]) -> set[str]:

@@ -384,16 +384,24 @@ def test_the_store_appears_only_once_its_schema_is_complete(tmp_path):
     assert schema_revision(tmp_path / "mlflow.db") == schema_revision(tmp_path / "reference.db") is not None
 
 
-@pytest.mark.parametrize("stage", ["convert", "teacher", "token_labels", "pretrain", "evaluate"])
+@pytest.mark.parametrize(
+    "stage", ["convert", "teacher", "token_labels", "pretrain", "finetune", "evaluate@pretrain", "evaluate@finetune"]
+)
 def test_each_stage_logs_exactly_the_params_dvc_tracks_for_it(stage):
     """MLflow's params of a run and DVC's rerun decisions must cover the same keys: a stage's PARAM_SECTIONS
-    is its `params:` list in dvc.yaml."""
+    (evaluate's `param_sections(item)`) is its `params:` list in dvc.yaml (with `${item}` filled in)."""
     dvc_yaml = yaml.safe_load((PROJECT_ROOT / "dvc.yaml").read_text())
-    spec = importlib.util.spec_from_file_location(f"stage_{stage}", PROJECT_ROOT / "stages" / f"{stage}.py")
+    script, _, item = stage.partition("@")
+    spec = importlib.util.spec_from_file_location(f"stage_{script}", PROJECT_ROOT / "stages" / f"{script}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    assert list(module.PARAM_SECTIONS) == dvc_yaml["stages"][stage]["params"]
-    stage_params(parse_params({}), module.PARAM_SECTIONS)  # raises if an entry names no params
+    if item:
+        listed = [key.replace("${item}", item) for key in dvc_yaml["stages"][script]["do"]["params"]]
+        sections = module.param_sections(item)
+    else:
+        listed, sections = dvc_yaml["stages"][script]["params"], module.PARAM_SECTIONS
+    assert list(sections) == listed
+    stage_params(parse_params({}), sections)  # raises if an entry names no params
 
 
 def test_stage_params_rejects_keys_that_name_no_params():

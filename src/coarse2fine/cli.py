@@ -24,6 +24,19 @@ def stage_parser(description: str) -> argparse.ArgumentParser:
     return parser
 
 
+def add_student_arguments(parser: argparse.ArgumentParser, stage: str) -> None:
+    """The paths of a student-training stage (pretrain, finetune), defaulting to dvc.yaml's."""
+    parser.add_argument("--records", default="data/records", help="records directory (default: data/records)")
+    parser.add_argument(
+        "--token-labels", default="data/token_labels", help="token-label store (default: data/token_labels)"
+    )
+    parser.add_argument(
+        "--checkpoint-dir", default=f"models/{stage}_ckpt", help=f"resumable checkpoint (default: models/{stage}_ckpt)"
+    )
+    parser.add_argument("--out", default=f"models/{stage}", help=f"final model directory (default: models/{stage})")
+    parser.add_argument("--metrics", default=f"metrics/{stage}", help=f"metrics directory (default: metrics/{stage})")
+
+
 def run(
     main: Callable[[Params, argparse.Namespace], None],
     parser: argparse.ArgumentParser,

@@ -159,6 +159,9 @@ class Augment(Section):
         return self._rand_augment_spec
 
 
+VOLO_PATCH_SIZES = (4, 8, 16)  # the stem strides timm's VOLO is built for
+
+
 class Model(Section):
     # volo_custom (below) or any timm architecture: VOLO (volo_d1_224 ...), ViT/DeiT, CNNs (resnet*, dm_nfnet_*, ...)
     name: str = CUSTOM_MODEL
@@ -180,6 +183,8 @@ class Model(Section):
             close = difflib.get_close_matches(self.name, sorted(timm_model_names()), n=3)
             hint = f"; did you mean {', '.join(close)}?" if close else " (see timm.list_models())"
             raise ValueError(f"name: {self.name!r} is neither {CUSTOM_MODEL} nor a timm model{hint}")
+        if self.name == CUSTOM_MODEL and self.patch_size not in VOLO_PATCH_SIZES:
+            raise ValueError(f"patch_size: {self.patch_size} is not one of VOLO's {', '.join(map(str, VOLO_PATCH_SIZES))}")
         if self.name == CUSTOM_MODEL and not (len(self.layers) == len(self.embed_dims) == len(self.num_heads)):
             raise ValueError("layers, embed_dims and num_heads: must have the same length")
         if any(dim % heads for dim, heads in zip(self.embed_dims, self.num_heads)):
@@ -223,7 +228,24 @@ class Ema(Section):
     decay: float = Field(0.9998, gt=0, lt=1)
 
 
+class Mixup(Section):
+    """timm's Mixup / CutMix of images and (smoothed) ground-truth targets: for ground-truth training only,
+    since with token labeling MixToken does the mixing (and its targets are the token labels)."""
+
+    mixup_alpha: float = Field(0.0, ge=0)  # Beta(alpha, alpha) of Mixup; 0 is off
+    cutmix_alpha: float = Field(0.0, ge=0)  # of CutMix; 0 is off
+    prob: float = Field(1.0, ge=0, le=1)  # per batch (mode batch), pair or sample
+    switch_prob: float = Field(0.5, ge=0, le=1)  # CutMix instead of Mixup when both are on
+    mode: Literal["batch", "pair", "elem"] = "batch"
+
+    @property
+    def enabled(self) -> bool:
+        return self.prob > 0 and (self.mixup_alpha > 0 or self.cutmix_alpha > 0)
+
+
 class Train(Section):
+    """A training run: the teacher's, pre-training's and fine-tuning's sections share these keys."""
+
     img_size: int = Field(32, gt=0)
     epochs: int = Field(10, gt=0)
     batch_size: int = Field(64, gt=0)  # per device
@@ -234,7 +256,14 @@ class Train(Section):
     clip_grad: float = Field(0.0, ge=0)  # max grad norm; 0 turns clipping off
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: fp32 on CPU, bf16 on GPU
     ema: Ema = Ema()
+    mixup: Mixup = Mixup()
     val_crop_pct: float = Field(1.0, gt=0, le=2)
+
+    @model_validator(mode="after")
+    def _mixup_pairs(self) -> Train:
+        if self.mixup.enabled and self.batch_size % 2:
+            raise ValueError(f"batch_size: {self.batch_size} is odd; Mixup/CutMix pairs the samples of a batch")
+        return self
 
 
 class TokenLabel(Section):
@@ -258,6 +287,12 @@ class TokenLabel(Section):
 
 class Pretrain(Train):
     token_label: TokenLabel = TokenLabel()
+
+
+class Finetune(Pretrain):
+    """High-resolution fine-tuning of the pretrained model (the pos-embed resampled to `img_size`)."""
+
+    token_label: TokenLabel = TokenLabel(ground_truth_mix=True)  # the recipe mixes the ground truth in
 
 
 class Teacher(Train):
@@ -287,10 +322,29 @@ class TokenLabels(Section):
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # of the teacher's forward; logits stored in fp16
 
 
-class Evaluate(Section):
-    img_size: int = Field(32, gt=0)
+class ModelEvaluation(Section):
+    """How one trained model is evaluated: at its own training resolution (read from its model file)."""
+
     crop_pct: float = Field(1.0, gt=0, le=2)  # resize to floor(img_size / crop_pct), centre crop
+    # Further test resolutions: the model is rebuilt at each (a VOLO's / ViT's position embedding resampled).
+    extra_sizes: tuple[int, ...] = ()
+
+
+class Evaluate(Section):
     batch_size: int = Field(256, gt=0)
+    pretrain: ModelEvaluation = ModelEvaluation()
+    finetune: ModelEvaluation = ModelEvaluation()
+
+    @model_validator(mode="after")
+    def _positive_sizes(self) -> Evaluate:
+        for name in EVALUATED_MODELS:
+            if any(size <= 0 for size in getattr(self, name).extra_sizes):
+                raise ValueError(f"{name}.extra_sizes: every size must be positive")
+        return self
+
+
+# The trained models the evaluate stage runs on (its DVC foreach items; each a section of `evaluate`).
+EVALUATED_MODELS = ("pretrain", "finetune")
 
 
 class Tracking(Section):
@@ -307,16 +361,21 @@ class Params(Section):
     token_labels: TokenLabels = TokenLabels()
     model: Model = Model()
     pretrain: Pretrain = Pretrain()
+    finetune: Finetune = Finetune()
     evaluate: Evaluate = Evaluate()
     tracking: Tracking = Tracking()
 
     @model_validator(mode="after")
     def _image_sizes_fit_the_token_grid(self) -> Params:
-        checks = (
+        checks = [
             ("pretrain.img_size", self.pretrain.img_size, self.model),
-            ("evaluate.img_size", self.evaluate.img_size, self.model),
+            ("finetune.img_size", self.finetune.img_size, self.model),
             ("teacher.img_size", self.teacher.img_size, self.teacher.model),
-        )
+        ]
+        checks += [
+            (f"evaluate.{name}.extra_sizes", size, self.model)
+            for name in EVALUATED_MODELS for size in getattr(self.evaluate, name).extra_sizes
+        ]
         for key, size, model in checks:
             if model.stride and size % model.stride:
                 raise ValueError(f"{key}: {size} is not divisible by the model's token stride {model.stride} (2 x patch size)")
@@ -324,11 +383,23 @@ class Params(Section):
 
     @model_validator(mode="after")
     def _token_labels_need_token_outputs(self) -> Params:
-        if self.pretrain.token_label.enabled and not self.model.has_token_outputs:
-            raise ValueError(
-                f"pretrain.token_label.enabled: model.name {self.model.name!r} has no per-token outputs; "
-                f"token labeling and MixToken need a VOLO ({CUSTOM_MODEL} or volo_*)"
-            )
+        for name in ("pretrain", "finetune"):
+            if getattr(self, name).token_label.enabled and not self.model.has_token_outputs:
+                raise ValueError(
+                    f"{name}.token_label.enabled: model.name {self.model.name!r} has no per-token outputs; "
+                    f"token labeling and MixToken need a VOLO ({CUSTOM_MODEL} or volo_*)"
+                )
+        return self
+
+    @model_validator(mode="after")
+    def _one_way_to_mix(self) -> Params:
+        for name in ("pretrain", "finetune"):
+            cfg = getattr(self, name)
+            if cfg.mixup.enabled and cfg.token_label.enabled:
+                raise ValueError(
+                    f"{name}.mixup: Mixup/CutMix mixes ground-truth targets, but {name}.token_label.enabled trains on "
+                    f"token labels, mixed by MixToken: turn one off"
+                )
         return self
 
 

@@ -1,8 +1,9 @@
-"""Atomic file writes: every output is written under a temporary name and renamed into place."""
+"""Atomic file writes (every output is written under a temporary name and renamed into place), file digests."""
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 from pathlib import Path
 from typing import Iterator
@@ -31,3 +32,8 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
             os.close(directory)
     finally:
         temporary.unlink(missing_ok=True)
+
+
+def file_sha256(path: str | Path) -> str:
+    with open(path, "rb") as file:
+        return hashlib.file_digest(file, "sha256").hexdigest()

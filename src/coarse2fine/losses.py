@@ -1,6 +1,8 @@
-"""Training objectives, each a callable `objective(output, batch) -> loss` for the Trainer.
+"""Training objectives, each a callable `objective(output, batch) -> loss` for the Trainer, with
+`objective.prepare(batch)` applied to the batch before the forward.
 
-- `GroundTruthObjective`: label-smoothed cross-entropy on the logits inference uses.
+- `GroundTruthObjective`: label-smoothed cross-entropy on the logits inference uses; with Mixup/CutMix (timm's
+  `Mixup`, which mixes the images in `prepare` and makes the smoothed soft targets), soft cross-entropy.
 - `TokenLabelObjective`: token labeling (Jiang et al.): soft cross-entropy of the class logits against the
   teacher's distribution over the crop (mixed by MixToken's lam when the model mixed tokens) plus, weighted,
   the mean soft cross-entropy of every token's logits against the teacher's distribution at that token.
@@ -14,10 +16,11 @@ from __future__ import annotations
 import math
 
 import torch
+from timm.data import Mixup
 from timm.loss import SoftTargetCrossEntropy
 
+from coarse2fine import config
 from coarse2fine.labels.store import TokenLabelStore
-from coarse2fine.config import Pretrain
 from coarse2fine.labels.targets import smooth, token_targets
 from coarse2fine.models import TrainOutput
 
@@ -33,12 +36,31 @@ def mix_token_lam(box: tuple[int, int, int, int], token_grid: int) -> float:
 
 
 class GroundTruthObjective:
-    def __init__(self, label_smoothing: float):
+    def __init__(self, label_smoothing: float, num_classes: int | None = None, mixup: config.Mixup | None = None):
         self.criterion = torch.nn.CrossEntropyLoss(label_smoothing=label_smoothing)
+        self.mixup = None
+        if mixup is not None and mixup.enabled:
+            self.mixup = Mixup(
+                mixup_alpha=mixup.mixup_alpha, cutmix_alpha=mixup.cutmix_alpha, prob=mixup.prob,
+                switch_prob=mixup.switch_prob, mode=mixup.mode, label_smoothing=label_smoothing,
+                num_classes=num_classes,
+            )
+
+    @classmethod
+    def from_params(cls, cfg: config.Train, num_classes: int) -> GroundTruthObjective:
+        return cls(cfg.label_smoothing, num_classes, cfg.mixup)
+
+    def prepare(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if self.mixup is None:
+            return batch
+        images, targets = self.mixup(batch["image"], batch["label"])
+        return {**batch, "image": images, "target": targets}
 
     def __call__(self, output: TrainOutput, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         # The logits inference uses (class + 0.5 x best token), which also gives the aux head a gradient, as
         # DDP requires of every parameter.
+        if "target" in batch:  # mixed by `prepare`
+            return soft_cross_entropy(output.merged(), batch["target"])
         return self.criterion(output.merged(), batch["label"])
 
 
@@ -60,12 +82,15 @@ class TokenLabelObjective:
         self.ground_truth_mix = ground_truth_mix
 
     @classmethod
-    def from_params(cls, store: TokenLabelStore, cfg: Pretrain) -> TokenLabelObjective:
+    def from_params(cls, store: TokenLabelStore, cfg: config.Pretrain) -> TokenLabelObjective:
         token_label = cfg.token_label
         return cls(
             store, label_smoothing=cfg.label_smoothing, cls_weight=token_label.cls_weight,
             dense_weight=token_label.dense_weight, ground_truth_mix=token_label.ground_truth_mix,
         )
+
+    def prepare(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return batch  # MixToken mixes inside the model
 
     def __call__(self, output: TrainOutput, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         device = output.cls_logits.device

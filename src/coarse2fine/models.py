@@ -1,5 +1,5 @@
 """Models: building any timm architecture (or the project's tiny VOLO) from `config.Model`, the training forward,
-local weights, and the final model file.
+local weights, weights trained at another resolution (position embeddings resampled), and the final model file.
 
 Knows nothing of data or tracking. timm does the work; this module only fixes the two places where using its
 VOLO naively goes wrong (see `TrainForward`), loads user-given weights safely and strictly, and gives the model
@@ -9,10 +9,12 @@ file one documented format.
 from __future__ import annotations
 
 from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Sequence
 
 import timm
 import torch
+from timm.layers import resample_abs_pos_embed, resample_abs_pos_embed_nhwc
 from timm.models.volo import VOLO
 from torch import nn
 
@@ -55,9 +57,10 @@ def build_model(model_cfg: Model, num_classes: int, img_size: int, *, mix_token:
 
 
 def load_weights(model: nn.Module, path: str | Path, what: str) -> None:
-    """Load a local weights file into `model`, strictly: .safetensors, or anything torch saved that holds a
-    state dict (plain, or under "state_dict"/"model", EMA weights first, as timm's loader reads them) with
-    weights_only=True. A file that does not fit is a UserError naming it, the class counts and the keys."""
+    """Load a local weights file into `model`: .safetensors, or anything torch saved that holds a state dict
+    (plain, or under "state_dict"/"model", EMA weights first, as timm's loader reads them) with weights_only=True.
+    Strict but for the input size (`fit_state_dict`): a file that does not fit is a UserError naming it, the
+    class counts and the keys."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{what}: {path}: weights file not found")
@@ -68,13 +71,53 @@ def load_weights(model: nn.Module, path: str | Path, what: str) -> None:
     except Exception as error:  # safetensors, pickle and torch errors of every kind for a bad file
         reason = f"{type(error).__name__}: {_first_line(error)}"
         raise UserError(f"{what}: {path}: not a readable weights file ({reason})") from None
+    fit_state_dict(model, state, f"{what}: {path}")
+
+
+@dataclass
+class LoadReport:
+    """What `fit_state_dict` did with each tensor that did not load as it was."""
+
+    loaded: int = 0
+    resampled: list[str] = field(default_factory=list)  # "pos_embed 3x3 -> 4x4"
+    reset: list[str] = field(default_factory=list)  # classifier tensors left as initialised (another class count)
+
+    def lines(self, source: str | Path) -> list[str]:
+        lines = [f"loaded {self.loaded} tensors from {source}"]
+        lines += [f"resampled {entry}" for entry in self.resampled]
+        if self.reset:
+            lines.append(f"not loaded (another class count; freshly initialised): {', '.join(self.reset)}")
+        return lines
+
+
+def fit_state_dict(
+    model: nn.Module, state: dict[str, torch.Tensor], source: str | Path, *, new_classes: bool = False
+) -> LoadReport:
+    """Load weights of the same architecture into `model`, which may take another input size.
+
+    A position embedding of another grid is resampled with timm's helpers (VOLO's NHWC one; ViT's keeping its
+    prefix tokens). With `new_classes`, classifier tensors of another class count keep their initialisation.
+    Nothing is dropped silently: those keys are in the report, and any other key missing, unexpected or
+    misshapen is a UserError naming `source`, the class counts and the keys.
+    """
     expected = model.state_dict()
+    report, fitted, misshapen = LoadReport(), {}, []
+    classifiers = _classifier_prefixes(model)
+    for key, target in expected.items():
+        if key not in state:
+            continue
+        value = state[key]
+        if value.shape == target.shape:
+            fitted[key] = value
+        elif key.endswith("pos_embed") and (resampled := _resample_pos_embed(model, value, target)) is not None:
+            fitted[key] = resampled
+            report.resampled.append(f"{key} {_grid(value, model)} -> {_grid(target, model)}")
+        elif new_classes and key.startswith(classifiers) and value.shape[1:] == target.shape[1:]:
+            report.reset.append(key)
+        else:
+            misshapen.append(f"{key} {tuple(value.shape)} vs {tuple(target.shape)}")
     missing = [key for key in expected if key not in state]
     unexpected = [key for key in state if key not in expected]
-    misshapen = [
-        f"{key} {tuple(state[key].shape)} vs {tuple(value.shape)}"
-        for key, value in expected.items() if key in state and state[key].shape != value.shape
-    ]
     if missing or unexpected or misshapen:
         problems = [
             f"{label} {len(keys)}: {', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''}"
@@ -82,10 +125,44 @@ def load_weights(model: nn.Module, path: str | Path, what: str) -> None:
             if keys
         ]
         raise UserError(
-            f"{what}: {path} does not fit {type(model).__name__} with {_num_classes(model)} classes "
-            f"({'; '.join(problems)}): a file for another architecture, class count or input size?"
+            f"{source} does not fit {type(model).__name__} with {_num_classes(model)} classes "
+            f"({'; '.join(problems)}): a file for another architecture or class count?"
         )
-    model.load_state_dict(state, strict=True)
+    model.load_state_dict(fitted, strict=False)
+    report.loaded = len(fitted)
+    return report
+
+
+def _classifier_prefixes(model: nn.Module) -> tuple[str, ...]:
+    """The classifier's parameter prefixes, as timm's pretrained config names them (VOLO's aux head too)."""
+    classifier = (getattr(model, "pretrained_cfg", None) or {}).get("classifier", "head")
+    names = (classifier,) if isinstance(classifier, str) else tuple(classifier)
+    if isinstance(model, VOLO):
+        names += ("aux_head",)
+    return tuple(f"{name}." for name in names)
+
+
+def _prefix_tokens(model: nn.Module) -> int:
+    """Tokens of a ViT's pos_embed that are not on the patch grid (class/register tokens)."""
+    return 0 if getattr(model, "no_embed_class", False) else getattr(model, "num_prefix_tokens", 0)
+
+
+def _resample_pos_embed(model: nn.Module, value: torch.Tensor, target: torch.Tensor) -> torch.Tensor | None:
+    if value.ndim == 4:  # VOLO: [1, H, W, C]
+        return resample_abs_pos_embed_nhwc(value, new_size=list(target.shape[1:3]))
+    patch_embed = getattr(model, "patch_embed", None)
+    if value.ndim == 3 and hasattr(patch_embed, "grid_size"):  # ViT: [1, prefix + H x W, C]
+        return resample_abs_pos_embed(
+            value, new_size=list(patch_embed.grid_size), num_prefix_tokens=_prefix_tokens(model)
+        )
+    return None
+
+
+def _grid(pos_embed: torch.Tensor, model: nn.Module) -> str:
+    if pos_embed.ndim == 4:
+        return f"{pos_embed.shape[1]}x{pos_embed.shape[2]}"
+    side = round((pos_embed.shape[1] - _prefix_tokens(model)) ** 0.5)
+    return f"{side}x{side}"
 
 
 def _num_classes(model: nn.Module) -> int | str:
@@ -143,19 +220,47 @@ def save_model_file(
     atomic_save(payload, path)
 
 
-def load_model_file(path: str | Path, device: torch.device | str = "cpu") -> tuple[nn.Module, dict[str, Any]]:
-    """The model (in eval mode, on `device`) and the file's other fields; a missing/corrupt file is a UserError."""
+def read_model_file(path: str | Path, device: torch.device | str = "cpu") -> dict[str, Any]:
+    """The model file's fields (weights under "model"); a missing, corrupt or foreign file is a UserError."""
     payload = load_file(path, "model file", device)
     if not isinstance(payload, dict) or not set(MODEL_FILE_KEYS) <= payload.keys():
         raise UserError(f"{path}: not a model file (expected the keys {', '.join(MODEL_FILE_KEYS)})")
+    return payload
+
+
+def load_model_file(
+    path: str | Path, device: torch.device | str = "cpu", img_size: int | None = None
+) -> tuple[nn.Module, dict[str, Any]]:
+    """The model (in eval mode, on `device`) and the file's other fields. `img_size`: rebuild it for that input
+    size (the position embedding resampled) instead of the one it was trained at."""
+    payload = read_model_file(path, device)
     info = {key: value for key, value in payload.items() if key != "model"}
     try:
         model_cfg = Model.model_validate(info["model_cfg"], strict=False)  # lists back to tuples
-        model = build_model(model_cfg, len(info["classes"]), info["img_size"])
-        model.load_state_dict(payload["model"])
-    except (ValueError, RuntimeError) as error:  # a bad model_cfg, or weights that do not fit it
+        model = build_model(model_cfg, len(info["classes"]), img_size or info["img_size"])
+    except ValueError as error:  # a bad model_cfg
         raise UserError(f"{path}: inconsistent model file: {_first_line(error)}") from None
+    fit_state_dict(model, payload["model"], path)
     return model.to(device).eval(), info
+
+
+def init_from_model_file(model: nn.Module, model_cfg: Model, path: str | Path) -> LoadReport:
+    """Start `model` (built from `model_cfg`, at any input size) from the weights of a model file of the same
+    architecture, e.g. fine-tuning at a higher resolution from the pre-trained model."""
+    payload = read_model_file(path)
+    ours = {key: value for key, value in flatten(model_cfg).items() if key not in TRAINING_ONLY_MODEL_KEYS}
+    theirs = {key: value for key, value in payload["model_cfg"].items() if key not in TRAINING_ONLY_MODEL_KEYS}
+    differences = [f"{key} {theirs.get(key)!r} vs {value!r}" for key, value in ours.items() if theirs.get(key) != value]
+    if differences:
+        raise UserError(
+            f"{path}: another architecture than model.* ({'; '.join(differences)}; file vs params): rerun the stage "
+            f"that wrote it"
+        )
+    return fit_state_dict(model, payload["model"], path, new_classes=True)
+
+
+# Model keys that change how a model trains, not its weights' layout.
+TRAINING_ONLY_MODEL_KEYS = frozenset({"drop_path"})
 
 
 def atomic_save(obj: Any, path: str | Path) -> None:
@@ -164,12 +269,18 @@ def atomic_save(obj: Any, path: str | Path) -> None:
         torch.save(obj, temporary)
 
 
-def load_file(path: str | Path, what: str, device: torch.device | str = "cpu") -> Any:
-    """torch.load(weights_only=True) of a file the user handed us; a missing or corrupt file is a UserError
-    naming it. A failure to read it (an I/O error, no memory) is not the file's fault and propagates as is."""
+def existing_file(path: str | Path, what: str) -> Path:
+    """`path`, or a UserError if there is no such file."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{path}: {what} not found")
+    return path
+
+
+def load_file(path: str | Path, what: str, device: torch.device | str = "cpu") -> Any:
+    """torch.load(weights_only=True) of a file the user handed us; a missing or corrupt file is a UserError
+    naming it. A failure to read it (an I/O error, no memory) is not the file's fault and propagates as is."""
+    path = existing_file(path, what)
     try:
         return torch.load(path, map_location=device, weights_only=True)
     except (OSError, MemoryError, torch.OutOfMemoryError):

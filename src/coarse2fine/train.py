@@ -1,4 +1,4 @@
-"""The one training loop, shared by every training stage (pre-training now, fine-tuning later).
+"""The one training loop, shared by every training stage (the teacher, pre-training and fine-tuning).
 
 Per optimizer update: `accum_steps` micro-batches through DDP (gradients all-reduced only on the last one),
 optional clipping, the optimizer step, the per-update LR schedule and the EMA. Per epoch: validation,
@@ -55,8 +55,10 @@ PROGRESS_EVERY = 10  # steps between updates of the progress bar's loss
 
 
 class Objective(Protocol):
-    """`objective(train_forward's output, batch) -> scalar loss` (see losses.py)."""
+    """`objective(train_forward's output, batch) -> scalar loss`, `prepare(batch)` before the forward (see
+    losses.py)."""
 
+    def prepare(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
     def __call__(self, output: models.TrainOutput, batch: dict[str, torch.Tensor]) -> torch.Tensor: ...
 
 
@@ -143,7 +145,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.optimizer, self.lr)
         self.updates_per_epoch = math.ceil(len(train_loader) / cfg.accum_steps)
         self.scheduler = build_scheduler(self.optimizer, cfg, self.updates_per_epoch)
-        self.objective = objective or losses.GroundTruthObjective(cfg.label_smoothing)
+        self.objective = objective or losses.GroundTruthObjective.from_params(cfg, len(self.classes))
         self.autocast_dtype = runtime.autocast_dtype(cfg.precision)
         # Only fp16 needs loss scaling; a disabled scaler passes everything straight through.
         self.scaler = torch.amp.GradScaler(runtime.device.type, enabled=self.autocast_dtype == torch.float16)
@@ -244,6 +246,7 @@ class Trainer:
         skip_sync = not sync and isinstance(self.train_forward, DistributedDataParallel)
         with self.train_forward.no_sync() if skip_sync else contextlib.nullcontext():
             dtype = self.autocast_dtype
+            batch = self.objective.prepare(batch)
             with torch.autocast(self.runtime.device.type, dtype=dtype, enabled=dtype is not None):
                 loss = self.objective(self.train_forward(batch["image"]), batch)
             self.scaler.scale(loss / micro_steps).backward()

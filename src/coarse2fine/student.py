@@ -1,0 +1,75 @@
+"""Training the student, for the pre-training and fine-tuning stages: the objective (token labels from the
+store, or the ground truth), the loaders, the model (fine-tuning: started from the pre-trained model file,
+its position embedding resampled) and the shared Trainer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from coarse2fine import config, distributed, losses, models, provenance, train
+from coarse2fine.data import records
+from coarse2fine.data.loaders import build_loader
+from coarse2fine.files import file_sha256
+from coarse2fine.labels import store
+
+
+@dataclass(frozen=True)
+class StudentPaths:
+    records: Path
+    token_labels: Path
+    checkpoint_dir: Path
+    model_file: Path
+    metrics_dir: Path
+    init_from: Path | None = None  # fine-tuning: the pre-trained model file
+
+
+def train_student(
+    stage: str, params: config.Params, cfg: config.Pretrain, paths: StudentPaths, param_sections: Sequence[str],
+    script: str | Path,
+) -> None:
+    """Train `params.model` under `cfg` (params.pretrain or params.finetune) and write the stage's outputs."""
+    classes = records.read_classes(paths.records)
+    # With the params: what the weights depend on. A checkpoint made from other inputs or code is not resumed.
+    data_digest = records.manifest_digest(paths.records)
+    inputs = {"data_digest": data_digest, **provenance.fingerprint(script)}
+    objective, labels = None, None
+    if cfg.token_label.enabled:
+        labels = store.TokenLabelStore(
+            paths.token_labels, records=records.read_manifest(paths.records)["splits"]["train"]["images"],
+            num_classes=len(classes), records_digest=data_digest,
+        )
+        objective = losses.TokenLabelObjective.from_params(labels, cfg)
+        inputs["token_labels_digest"] = store.header_digest(paths.token_labels)
+    if paths.init_from is not None:
+        inputs["init_digest"] = file_sha256(models.existing_file(paths.init_from, "model file"))
+    with distributed.session() as runtime:
+        loaders = {
+            split: build_loader(
+                split, paths.records, img_size=cfg.img_size, batch_size=cfg.batch_size, runtime=runtime,
+                loader_cfg=params.loader, augment_cfg=params.augment, crop_pct=cfg.val_crop_pct, seed=params.seed,
+            )
+            for split in ("train", "val")
+        }
+        train.seed_everything(params.seed, runtime)
+        model = models.build_model(
+            params.model, num_classes=len(classes), img_size=cfg.img_size, mix_token=cfg.token_label.mixes_tokens
+        )
+        notes = []
+        if paths.init_from is not None:
+            notes += models.init_from_model_file(model, params.model, paths.init_from).lines(paths.init_from)
+        if labels is not None:
+            grid = params.model.token_grid(cfg.img_size)
+            notes.append(f"token labels: the teacher's {labels.grid}x{labels.grid} score maps -> {grid}x{grid} token targets")
+        if runtime.is_main:
+            for note in notes:
+                print(f"{stage}: {note}", flush=True)
+        train.Trainer(
+            stage=stage, params=params, cfg=cfg, model=model, classes=classes,
+            train_loader=loaders["train"], val_loader=loaders["val"], runtime=runtime,
+            param_sections=param_sections, provenance=inputs,
+            checkpoint_dir=paths.checkpoint_dir, model_file=paths.model_file, metrics_dir=paths.metrics_dir,
+            objective=objective,
+        ).fit()

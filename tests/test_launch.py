@@ -105,6 +105,10 @@ MISTAKES: dict[str, tuple[str, Callable[[Project, Path], dict], list[str]]] = {
     "teacher weights for another class count": (
         "teacher", imagenet_weights, ["teacher.weights", "does not fit ResNet with 10 classes", "fc.weight (1000, 512)"],
     ),
+    "misspelt model name (checked by the workers, not the launcher)": (
+        "teacher", lambda project, tmp: {"teacher": {"model": {"name": "resnet10tt"}}},
+        ["teacher.model.name", "'resnet10tt' is neither volo_custom nor a timm model", "did you mean"],
+    ),
     "no token labels yet": (
         "pretrain", lambda project, tmp: {}, ["data/token_labels", "run the token_labels stage first"],
     ),

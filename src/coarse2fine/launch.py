@@ -2,7 +2,8 @@
 
 It is torchrun (the same argument parser and elastic launch, in this process), plus what a pipeline stage needs:
 
-- the params file (the stage's `--params`, default params.yaml) is validated before any worker starts;
+- the params file (the stage's `--params`, default params.yaml) is validated before any worker starts (the
+  model names against timm's registry by the workers);
 - the workers import the code of the tree the launcher was imported from (dvc.yaml runs it with
   `PYTHONPATH=src`), not the main workspace the editable install points at: a `dvc exp run --queue/--temp`
   copy runs its own code, the code whose hash DVC recorded;
@@ -34,7 +35,9 @@ SOURCE_DIR = Path(__file__).resolve().parents[1]  # the `src` directory this pac
 def main(argv: list[str] | None = None) -> None:
     args = torchrun.parse_args(argv)
     try:
-        load_params(_params_file(args.training_script_args))
+        # Everything but the model names, which need timm imported (2 s, paid again by every worker): the workers
+        # check those, and a mistake there still ends the stage with its one line (below).
+        load_params(_params_file(args.training_script_args), check_model_names=False)
     except UserError as error:
         cli.print_user_error(error)
         sys.exit(cli.USER_ERROR_EXIT)

@@ -10,6 +10,7 @@ from pathlib import Path
 from coarse2fine import cli, report
 from coarse2fine.config import EVALUATED_MODELS, Params
 from coarse2fine.errors import UserError
+from coarse2fine.files import write_json
 
 
 def main(params: Params, args: argparse.Namespace) -> None:
@@ -18,7 +19,7 @@ def main(params: Params, args: argparse.Namespace) -> None:
     if missing:
         raise UserError(f"no evaluation in {', '.join(missing)}: run the evaluate stages first (dvc repro)")
     evaluations = report.read_evaluations(files)
-    report.write_json(args.out, report.compare(evaluations))
+    write_json(args.out, report.compare(evaluations))
     print(report.markdown_table(evaluations))
 
 

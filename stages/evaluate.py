@@ -33,20 +33,21 @@ def main(params: Params, args: argparse.Namespace) -> None:
     classes_file = Path(args.records) / records.CLASSES_FILE
     classes = records.read_classes(args.records)
     with distributed.session() as runtime:
-        model, info = models.load_model_file(args.model, runtime.device)
-        if info["classes"] != classes:
-            raise UserError(_class_mismatch(args.model, info["classes"], classes_file, classes))
-        own_size = info["img_size"]
+        payload = models.read_model_file(args.model, runtime.device)  # read once, built at every size
+        model = models.model_from_payload(payload, args.model, runtime.device)
+        if payload["classes"] != classes:
+            raise UserError(_class_mismatch(args.model, payload["classes"], classes_file, classes))
+        own_size = payload["img_size"]
         stage = f"evaluate@{args.settings}"
         with Tracker(stage, params, runtime, metrics_dir=out, param_sections=param_sections(args.settings)) as tracker:
             tracker.set_tag("model_file", args.model)
-            tracker.set_tag("model_stage", info["stage"])
+            tracker.set_tag("model_stage", payload["stage"])
             result = evaluate(model, _val_loader(params, cfg, args.records, own_size, runtime), runtime, len(classes))
             summary = result.summary() | {"img_size": own_size}
             lines = [f"{stage}: at {own_size} px (its own): top-1 {result.top1:.2f} %, top-5 {result.top5:.2f} %, "
                      f"loss {result.loss:.4f}, n = {result.n}"]
             for size in (size for size in cfg.extra_sizes if size != own_size):
-                resized, _ = models.load_model_file(args.model, runtime.device, img_size=size)
+                resized = models.model_from_payload(payload, args.model, runtime.device, img_size=size)
                 extra = evaluate(resized, _val_loader(params, cfg, args.records, size, runtime), runtime, len(classes))
                 summary |= {f"top1_at_{size}": extra.top1, f"top5_at_{size}": extra.top5}
                 lines.append(f"{stage}: at {size} px: top-1 {extra.top1:.2f} %, top-5 {extra.top5:.2f} %")

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 
 @contextlib.contextmanager
@@ -32,6 +33,12 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
             os.close(directory)
     finally:
         temporary.unlink(missing_ok=True)
+
+
+def write_json(path: str | Path, value: Any) -> None:
+    """Atomically; stable formatting (no timestamps), so equal content gives equal bytes."""
+    with atomic_path(path) as temporary:
+        temporary.write_text(json.dumps(value, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def file_sha256(path: str | Path) -> str:

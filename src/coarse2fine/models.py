@@ -234,14 +234,20 @@ def load_model_file(
     """The model (in eval mode, on `device`) and the file's other fields. `img_size`: rebuild it for that input
     size (the position embedding resampled) instead of the one it was trained at."""
     payload = read_model_file(path, device)
-    info = {key: value for key, value in payload.items() if key != "model"}
+    return model_from_payload(payload, path, device, img_size), {k: v for k, v in payload.items() if k != "model"}
+
+
+def model_from_payload(
+    payload: dict[str, Any], path: str | Path, device: torch.device | str = "cpu", img_size: int | None = None
+) -> nn.Module:
+    """The model of a `read_model_file` payload (in eval mode, on `device`), at `img_size` or its own size."""
     try:
-        model_cfg = Model.model_validate(info["model_cfg"], strict=False)  # lists back to tuples
-        model = build_model(model_cfg, len(info["classes"]), img_size or info["img_size"])
+        model_cfg = Model.model_validate(payload["model_cfg"], strict=False)  # lists back to tuples
+        model = build_model(model_cfg, len(payload["classes"]), img_size or payload["img_size"])
     except ValueError as error:  # a bad model_cfg
         raise UserError(f"{path}: inconsistent model file: {_first_line(error)}") from None
     fit_state_dict(model, payload["model"], path)
-    return model.to(device).eval(), info
+    return model.to(device).eval()
 
 
 def init_from_model_file(model: nn.Module, model_cfg: Model, path: str | Path) -> LoadReport:

@@ -9,7 +9,6 @@ import json
 from pathlib import Path
 from typing import Any, Mapping
 
-from coarse2fine.files import atomic_path
 
 # What each evaluation contributes to the comparison: its resolution and accuracies (at every extra size too).
 COMPARED_PREFIXES = ("img_size", "top1", "top5")
@@ -42,7 +41,3 @@ def markdown_table(evaluations: Mapping[str, Mapping[str, Any]]) -> str:
 def read_evaluations(files: Mapping[str, Path]) -> dict[str, dict[str, Any]]:
     return {name: json.loads(Path(path).read_text(encoding="utf-8")) for name, path in files.items()}
 
-
-def write_json(path: str | Path, value: Any) -> None:
-    with atomic_path(path) as temporary:
-        temporary.write_text(json.dumps(value, indent=2) + "\n", encoding="utf-8")

@@ -31,6 +31,7 @@ from coarse2fine.data import records, sources
 from coarse2fine.data.sources import Skipped, Source, SourceFile
 from coarse2fine.distributed import Runtime
 from coarse2fine.errors import UserError
+from coarse2fine.files import write_json
 from coarse2fine.progress import progress
 
 PASS_THROUGH_MODES = frozenset({"RGB", "L"})
@@ -75,8 +76,8 @@ def convert(params: Params, runtime: Runtime, out_dir: Path) -> dict[str, Any]:
             shards = _write_shards(ordered, source.root, params, runtime, out_dir, map_)
     manifest = _manifest(source, params, checked, ordered, shards)
     if runtime.is_main:
-        records.write_json(out_dir / records.CLASSES_FILE, list(source.classes))
-        records.write_json(out_dir / records.MANIFEST_FILE, manifest)  # last: it marks the conversion complete
+        write_json(out_dir / records.CLASSES_FILE, list(source.classes))
+        write_json(out_dir / records.MANIFEST_FILE, manifest)  # last: it marks the conversion complete
         print(_summary(manifest, time.perf_counter() - started, runtime, data.convert_workers, out_dir), flush=True)
     return manifest
 

@@ -92,12 +92,6 @@ def write_shard(
     return ShardInfo(split, tfrecord_path.name, index_path.name, first_index, count, size, sha256)
 
 
-def write_json(path: Path, value: Any) -> None:
-    """Atomically; stable formatting (no timestamps), so equal content gives equal bytes."""
-    with atomic_path(path) as temporary:
-        temporary.write_text(json.dumps(value, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-
-
 def clear(records_dir: Path) -> None:
     """Remove a previous conversion's outputs (manifest first, so a half-cleared dir reads as unconverted)."""
     (records_dir / MANIFEST_FILE).unlink(missing_ok=True)

@@ -44,7 +44,7 @@ from coarse2fine.data.loaders import IMAGE_MEAN, IMAGE_STD
 from coarse2fine.data.torch_pipeline import ShardReader
 from coarse2fine.distributed import Runtime
 from coarse2fine.errors import UserError
-from coarse2fine.files import atomic_path
+from coarse2fine.files import write_json
 from coarse2fine.labels import store
 from coarse2fine.progress import progress
 
@@ -213,7 +213,7 @@ def generate(
         generated += len(indices)
         if positions[-1] + 1 == min((positions[0] // chunk + 1) * chunk, len(dataset)):  # the chunk's last batch
             arrays.flush()
-            _write_json(_marker(work_dir, positions[0] // chunk), chunk_stats)
+            write_json(_marker(work_dir, positions[0] // chunk), chunk_stats)
             chunk_stats = {"images": 0, "dense_correct": 0}
     seconds = time.perf_counter() - start_time
 
@@ -248,11 +248,6 @@ def _marker(work_dir: Path, chunk: int) -> Path:
     return work_dir / DONE_DIR / f"chunk-{chunk:06d}.json"
 
 
-def _write_json(path: Path, value: Any) -> None:
-    with atomic_path(path) as temporary:
-        temporary.write_text(json.dumps(value, sort_keys=True) + "\n")
-
-
 def _prepare_work_dir(work_dir: Path, inputs: dict[str, Any], shape: tuple[int, int, int, int]) -> int:
     """Keep a killed run's work when it was made from the same inputs (returns its finished chunks), else start
     afresh: allocate the arrays and record the inputs (last, so a half-made work dir never matches)."""
@@ -268,7 +263,7 @@ def _prepare_work_dir(work_dir: Path, inputs: dict[str, Any], shape: tuple[int, 
     records_count, top_k, grid, num_classes = shape
     store.allocate_arrays(work_dir, records_count, top_k, grid, num_classes)
     (work_dir / DONE_DIR).mkdir()
-    _write_json(inputs_file, inputs)
+    write_json(inputs_file, inputs)
     return 0
 
 

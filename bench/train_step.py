@@ -32,6 +32,7 @@ import yaml
 from _common import CPU, PROJECT_ROOT, CpuTimed, goal, header_line, interleaved, markdown_table, write_json
 from coarse2fine import losses, models
 from coarse2fine.config import Params, parse_params
+from coarse2fine.data.loaders import IDENTITY_AFFINE
 from coarse2fine.labels.store import TokenLabelStore, write_store
 from coarse2fine.train import Trainer, seed_everything
 
@@ -70,6 +71,7 @@ def random_batches(params: Params, count: int) -> list[dict[str, torch.Tensor]]:
                 "index": torch.arange(step * cfg.batch_size, (step + 1) * cfg.batch_size),
                 "window": torch.cat([top_left, size], dim=1),
                 "flip": torch.rand(cfg.batch_size, generator=generator) < 0.5,
+                "affine": IDENTITY_AFFINE.expand(cfg.batch_size, 2, 3),
             }
         )
     return batches

@@ -26,7 +26,7 @@ from PIL import Image
 from coarse2fine import distributed
 from coarse2fine.data import records
 from coarse2fine.data.convert import convert
-from coarse2fine.data.loaders import IMAGE_MEAN, IMAGE_STD, build_loader
+from coarse2fine.data.loaders import IDENTITY_AFFINE, IMAGE_MEAN, IMAGE_STD, build_loader
 from coarse2fine.distributed import Runtime
 from coarse2fine.errors import UserError
 
@@ -110,6 +110,7 @@ def test_both_backends_yield_the_contract_batch(digits_records, split):
         "index": (torch.int64, (16,), "cpu"),
         "window": (torch.float32, (16, 4), "cpu"),
         "flip": (torch.bool, (16,), "cpu"),
+        "affine": (torch.float32, (16, 2, 3), "cpu"),
     }
 
 
@@ -247,16 +248,20 @@ def test_loading_in_process_leaves_the_global_rngs_alone(digits_records, backend
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_rand_augment_recolours_a_clear_share_of_the_crops(digits_records, backend):
+def test_rand_augment_changes_a_clear_share_of_the_crops(digits_records, backend):
     """Without RandAugment every train image is its window's crop (test_window_and_flip_reproduce_the_crop). With
-    it, each of the n=2 draws is one of 9 colour ops or one of as many identities: about a quarter of the images
-    draw two identities and stay their window's crop, most of the others are recoloured far beyond decoder noise
-    (measured: about 55 % above 10 on 0..255, on both backends)."""
+    it, each of the n=2 draws is one of 14 ops (9 colour, 5 geometric) or one of as many identities: about a
+    quarter of the images draw two identities and stay their window's crop, most of the others change far beyond
+    decoder noise (measured: about 60 % above 10 on 0..255, on both backends), and the samples that drew a
+    geometric op, 1 - (23/28)^2 = 33 % expected, carry its affine."""
     augment = {"hflip": 0.5, "rand_augment": "rand-m9-mstd0.5-inc1"}
     batch = next(iter(make_loader(digits_records, "train", backend, batch_size=64, augment=augment)))
     errors = _reproduction_errors(batch, _jpegs(digits_records, "train"))
     assert (errors > 10).mean() > 1 / 3, np.round(errors, 1)
     assert (errors < 2).mean() > 1 / 10, np.round(errors, 1)  # untouched draws: the crop itself is unchanged
+    moved = (batch["affine"] != IDENTITY_AFFINE).flatten(1).any(dim=1)
+    assert 0.15 < moved.float().mean() < 0.5, moved.float().mean()
+    assert (errors[moved.numpy()] > 2).all()  # a moved image is not its crop
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

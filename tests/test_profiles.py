@@ -58,6 +58,8 @@ def synthetic_batch(img_size: int) -> dict[str, torch.Tensor]:
         "index": torch.arange(BATCH),
         "window": torch.tensor([[0.0, 0.0, 1.0, 1.0], [0.1, 0.2, 0.7, 0.6]]),
         "flip": torch.tensor([False, True]),
+        # The second sample as RandAugment's shear leaves it: its token targets take the warped path.
+        "affine": torch.tensor([[[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]], [[1.0, 0.2, 0.0], [0.0, 1.0, 0.0]]]),
     }
 
 

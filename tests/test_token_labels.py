@@ -12,10 +12,12 @@ from coarse2fine import losses, models, train
 from coarse2fine.data import records
 from coarse2fine.errors import UserError
 from coarse2fine.labels.store import TokenLabelStore, write_store
+from coarse2fine.data.loaders import IDENTITY_AFFINE
 from coarse2fine.labels.targets import token_targets
 
 FULL_WINDOW = torch.tensor([[0.0, 0.0, 1.0, 1.0]])
 NO_FLIP = torch.tensor([False])
+NO_WARP = IDENTITY_AFFINE[None]
 
 
 def one_hot_map(cell_classes: list[list[int]], num_classes: int, logit: float = 20.0):
@@ -24,10 +26,16 @@ def one_hot_map(cell_classes: list[list[int]], num_classes: int, logit: float = 
     return torch.full(classes.shape, logit), classes
 
 
-def targets(logits, classes, window=FULL_WINDOW, flip=NO_FLIP, *, num_classes=4, grid=2, smoothing=0.0):
+def targets(
+    logits, classes, window=FULL_WINDOW, flip=NO_FLIP, affine=NO_WARP, *, num_classes=4, grid=2, smoothing=0.0
+):
     return token_targets(
-        logits, classes, window, flip, num_classes=num_classes, token_grid=grid, smoothing=smoothing
+        logits, classes, window, flip, affine, num_classes=num_classes, token_grid=grid, smoothing=smoothing
     )
+
+
+def identity_for(batch: dict) -> torch.Tensor:
+    return IDENTITY_AFFINE.expand(len(batch["index"]), 2, 3)
 
 
 # ------------------------------------------------------------------------------------------------------ store
@@ -87,6 +95,43 @@ def test_flip_mirrors_the_token_targets_not_the_crop_target():
     torch.testing.assert_close(plain.cls, flipped.cls)
 
 
+# Output (x, y) -> input (y, 1 - x), in [0, 1] coordinates: the image turned a quarter clockwise.
+QUARTER_TURN = torch.tensor([[[0.0, 1.0, 0.0], [-1.0, 0.0, 1.0]]])
+
+
+def test_an_affine_moves_the_token_targets_with_the_pixels():
+    logits, classes = one_hot_map([[0, 1], [2, 3]], num_classes=4)
+    turned = targets(logits, classes, affine=QUARTER_TURN)
+    assert turned.tokens[0].argmax(-1).tolist() == [2, 0, 3, 1]
+    torch.testing.assert_close(turned.cls, targets(logits, classes).cls)  # the same cells, moved
+    # After the flip (the loader's affine maps into the flipped crop): the flipped map [[1, 0], [3, 2]], turned.
+    flipped = targets(logits, classes, flip=torch.tensor([True]), affine=QUARTER_TURN)
+    assert flipped.tokens[0].argmax(-1).tolist() == [3, 1, 2, 0]
+    # Half a width to the right: the left column takes the crop's left edge (what moved in), the right one the
+    # left half of the map.
+    shifted = targets(logits, classes, affine=torch.tensor([[[1.0, 0.0, -0.5], [0.0, 1.0, 0.0]]]))
+    assert shifted.tokens[0].argmax(-1).tolist() == [0, 0, 2, 2]
+
+
+def test_a_tiny_warp_gives_the_targets_of_no_warp():
+    """The warped path (a finer roi_align, grid_sample, average) agrees with the plain roi_align one where both
+    sample the same points: windows of twice as many map cells as tokens (8 x 8 map, 2 x 2 tokens)."""
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 2, 8, 8, generator=generator)
+    classes = torch.stack([torch.randperm(5, generator=generator)[:2] for _ in range(3 * 64)]).view(3, 8, 8, 2)
+    classes = classes.permute(0, 3, 1, 2).contiguous()
+    window = torch.tensor([[0.0, 0.0, 1.0, 1.0], [0.5, 0.0, 0.5, 0.5], [0.25, 0.5, 0.5, 0.5]])
+    flip = torch.tensor([False, True, False])
+    nudged = IDENTITY_AFFINE.repeat(3, 1, 1)
+    nudged[:, 0, 2] = 1e-6
+    plain, warped = (
+        targets(logits, classes, window, flip, affine, num_classes=5, grid=2)
+        for affine in (IDENTITY_AFFINE.expand(3, 2, 3), nudged)
+    )
+    torch.testing.assert_close(warped.tokens, plain.tokens, atol=1e-5, rtol=0)
+    torch.testing.assert_close(warped.cls, plain.cls, atol=1e-5, rtol=0)
+
+
 def test_token_grid_finer_than_the_map_interpolates_and_smoothing_keeps_distributions():
     logits, classes = one_hot_map([[0, 1], [2, 3]], num_classes=4)
     result = targets(logits, classes, grid=4, smoothing=0.1)
@@ -126,12 +171,13 @@ def test_token_label_loss_mixes_the_class_target_by_the_box_area():
     objective = losses.TokenLabelObjective(FixedStore(logits, classes), label_smoothing=0.1, dense_weight=0.5)
     window = torch.tensor([[0.0, 0.0, 1.0, 1.0], [0.25, 0.5, 0.5, 0.5]])
     batch = {"index": torch.tensor([0, 1]), "window": window, "flip": torch.tensor([False, True])}
+    batch["affine"] = identity_for(batch)
     cls_logits = torch.randn(batch_size, classes_count, generator=generator)
     aux_logits = torch.randn(batch_size, 4, classes_count, generator=generator)
     mixed = models.TrainOutput(cls_logits, aux_logits, mix_box=(0, 0, 1, 2))  # half the tokens: lam 0.5
 
     expected = token_targets(
-        logits, classes, batch["window"], batch["flip"], num_classes=3, token_grid=2, smoothing=0.1
+        logits, classes, batch["window"], batch["flip"], batch["affine"], num_classes=3, token_grid=2, smoothing=0.1
     )
     cls_target = 0.5 * expected.cls + 0.5 * expected.cls.flip(0)
     manual = losses.soft_cross_entropy(cls_logits, cls_target) + 0.5 * losses.soft_cross_entropy(
@@ -162,8 +208,11 @@ def test_the_objective_mixes_the_ground_truth_into_the_class_target_only():
         "index": torch.tensor([0, 1]), "label": torch.tensor([2, 1]),
         "window": torch.tensor([[0.0, 0.0, 1.0, 1.0], [0.0, 0.25, 1.0, 0.5]]), "flip": torch.tensor([False, False]),
     }
+    batch["affine"] = identity_for(batch)
     output = models.TrainOutput(torch.randn(2, 3, generator=generator), torch.randn(2, 4, 3, generator=generator))
-    expected = token_targets(logits, classes, batch["window"], batch["flip"], num_classes=3, token_grid=2, smoothing=0.1)
+    expected = token_targets(
+        logits, classes, batch["window"], batch["flip"], batch["affine"], num_classes=3, token_grid=2, smoothing=0.1
+    )
     manual = losses.soft_cross_entropy(
         output.cls_logits, losses.mix_ground_truth(expected.cls, batch["label"], 0.1)
     ) + 0.5 * losses.soft_cross_entropy(output.aux_logits, expected.tokens)
@@ -189,6 +238,7 @@ def test_training_on_token_labels_teaches_each_token_the_class_under_it_in_the_c
         "image": torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(0)),
         "index": torch.arange(4), "window": torch.tensor(windows), "flip": torch.tensor(flips),
     }
+    batch["affine"] = identity_for(batch)
     updates = 10
     # One batch per epoch, so `updates` epochs schedule `updates` updates; lr 0.256 x 4 / 1024 = 1e-3.
     params = make_params(pretrain={

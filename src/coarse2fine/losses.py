@@ -98,7 +98,7 @@ class TokenLabelObjective:
         logits, classes = self.store.lookup(batch["index"])
         with torch.autocast(device.type, enabled=False):  # targets in fp32 whatever the model runs in
             targets = token_targets(
-                logits.to(device), classes.to(device), batch["window"], batch["flip"],
+                logits.to(device), classes.to(device), batch["window"], batch["flip"], batch["affine"],
                 num_classes=self.store.num_classes, token_grid=token_grid, smoothing=self.label_smoothing,
             )
         cls_target = targets.cls

@@ -2,29 +2,32 @@
 with one); `build_loader` in loaders.py is the way in.
 
 Train: peek the JPEG's shape -> random_crop_generator(area, aspect) -> decode only that window
-(decoders.image_slice) -> resize S x S -> RandAugment (colour ops) -> crop_mirror_normalize (mirror = the
-hflip coin) -> random erasing. The window's anchor/shape and the coin are pipeline outputs: the crop is
-known exactly, which the token labels need (fn.random_resized_crop would hide it).
+(decoders.image_slice) -> resize S x S -> RandAugment -> crop_mirror_normalize (mirror = the hflip coin) ->
+random erasing. The window's anchor/shape, the coin and RandAugment's geometry are pipeline outputs: the crop
+and what moved its pixels are known exactly, which the token labels need (fn.random_resized_crop would hide it).
 Without a GPU the pipeline stops after RandAugment on the decoded crop, and `HostFinish` resizes (torch's
 uint8 antialiased kernels), flips, normalises and erases in the loading thread while DALI's threads decode the
 next batches: DALI's CPU resize costs about 2.6 ms of CPU and its crop_mirror_normalize 0.5 ms a 224 px image,
 the torch finish about 1.5 ms for both, which makes the loader 1.7x faster on 2 cores (`python bench/loader_profile.py`).
-On a GPU all of it stays in DALI, on the device. The colour ops then see the crop before its resize: the same
-result for the pointwise ops, sharpness's 3x3 kernel acts at the crop's resolution.
+On a GPU all of it stays in DALI, on the device. Without one, RandAugment sees the crop before its resize: the
+same result for the pointwise colour ops and translations, sharpness's 3x3 kernel acts at the crop's
+resolution, and a rotation or shear of a non-square crop is stretched with it by the resize (the targets follow
+either way: the affine is normalised by the size the ops saw).
 Val: resize the shorter side to floor(S / crop_pct) -> centre crop S (padded if larger) -> normalise.
 
 EXIF orientation is ignored (`adjust_orientation=False` on every decoder and shape peek; DALI's default applies
 it): pixels are taken as stored, the ImageNet convention of PIL, torchvision, timm and the TF reference, and the
 frame of the torch backend, of the width/height in the records and of the crop windows the token labels follow.
 
-RandAugment versus timm (the torch backend runs timm's own): the same colour ops and magnitude levels
-(loaders.RAND_AUGMENT_OPS, 11 bins = timm's levels 0..10, inc1 -> DALI's monotonic suite, inc0 -> its
-non-monotonic one), n ops per image, each applied with probability 0.5 like timm's default (see
-`colour_rand_augment`). Approximated: `mstd`. DALI's rand_augment takes one integer magnitude for the whole
-batch, so the magnitude is not jittered around m (same mean, no spread).
-The flip is applied after RandAugment: every op in the colour set commutes with a horizontal flip, so the
-image is the one flip-then-RandAugment would give. Random erasing on the host is timm's RandomErasing seeded by
-(seed, epoch, record index), as on the torch backend.
+RandAugment versus timm (the torch backend runs timm's own): the same ops and magnitude levels
+(loaders.RAND_AUGMENT_OPS; 11 bins = timm's levels 0..10; inc1 -> DALI's monotonic colour suite, inc0 -> its
+non-monotonic one; the geometric ops with timm's maxima and random sign), n ops per image, each applied with
+probability 0.5 like timm's default (see `rand_augment_with_geometry`). Approximated: `mstd`. DALI takes one
+integer magnitude bin for the whole batch, so the magnitude is not jittered around m (same mean, no spread).
+The flip is applied after RandAugment, timm's before it: the colour ops commute with a horizontal flip, and a
+geometric op's mirror image is the same op with the other sign, as likely; `with_affine` conjugates each flipped
+sample's affine by the mirror, so the batch carries the contract's (flip first) affine. Random erasing on the
+host is timm's RandomErasing seeded by (seed, epoch, record index), as on the torch backend.
 """
 
 from __future__ import annotations
@@ -34,20 +37,27 @@ import warnings
 from pathlib import Path
 from typing import Iterator
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from nvidia.dali import Pipeline, fn, pipeline_def, types
 from nvidia.dali import tfrecord as tfrec
 from nvidia.dali.auto_aug import augmentations, rand_augment
+from nvidia.dali.auto_aug.core import augmentation, select, signed_bin
 from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
 from coarse2fine.config import MAX_RAND_AUGMENT_MAGNITUDE, Augment, RandAugmentSpec
 from coarse2fine.data.loaders import (
     IMAGE_MEAN,
     IMAGE_STD,
+    MAX_ROTATE_DEGREES,
+    MAX_SHEAR,
+    MAX_TRANSLATE,
     RAND_AUGMENT_OPS,
     LoaderSettings,
     derive_seed,
+    homogeneous,
+    normalised_affine,
     normalise_pixels,
     random_erasing,
     resized_short_side,
@@ -55,7 +65,7 @@ from coarse2fine.data.loaders import (
 )
 
 READER_NAME = "records"
-TRAIN_OUTPUTS = ("image", "label", "index", "image_hw", "crop_box", "flip")
+TRAIN_OUTPUTS = ("image", "label", "index", "image_hw", "crop_box", "flip", "geometry")
 VAL_OUTPUTS = ("image", "label", "index", "image_hw")
 INTERPOLATION = {"bilinear": types.INTERP_LINEAR, "bicubic": types.INTERP_CUBIC}
 # timm's RandomErasing defaults: erased area 2%..1/3 of the image, aspect ratio 0.3..1/0.3 (log-uniform).
@@ -114,24 +124,90 @@ def normalise(image, img_size: int, mirror=0):
     )
 
 
-def colour_rand_augment(image, spec: RandAugmentSpec):
+def rotate_pixels(image, angle, shape):
+    step = fn.transforms.rotation(angle=angle, center=shape[::-1] * 0.5)  # shape (h, w); centre (x, y)
+    return warp(image, step), step
+
+
+def shear_pixels(image, shear):
+    step = fn.transforms.shear(shear=shear)
+    return warp(image, step), step
+
+
+def translate_pixels(image, share, shape):
+    step = fn.transforms.translation(offset=share * shape[::-1])
+    return warp(image, step), step
+
+
+def warp(image, step):
+    # timm's fill for what moves in from outside: its img_mean default, grey (128, 128, 128).
+    return fn.warp_affine(image, matrix=step, fill_value=128, inverse_map=False)
+
+
+# loaders.RAND_AUGMENT_GEOMETRIC_OPS as DALI augmentations that return (image, the forward pixel map applied) with
+# timm's magnitudes: level m is m / 10 of the maximum, with a random sign.
+GEOMETRIC_AUGMENTATIONS = {
+    "rotate": augmentation(rotate_pixels, mag_range=(0, MAX_ROTATE_DEGREES), randomly_negate=True),
+    "shear_x": augmentation(
+        shear_pixels, mag_range=(0, MAX_SHEAR), randomly_negate=True, mag_to_param=augmentations.warp_x_param
+    ),
+    "shear_y": augmentation(
+        shear_pixels, mag_range=(0, MAX_SHEAR), randomly_negate=True, mag_to_param=augmentations.warp_y_param
+    ),
+    "translate_x": augmentation(
+        translate_pixels, mag_range=(0, MAX_TRANSLATE), randomly_negate=True, mag_to_param=augmentations.warp_x_param
+    ),
+    "translate_y": augmentation(
+        translate_pixels, mag_range=(0, MAX_TRANSLATE), randomly_negate=True, mag_to_param=augmentations.warp_y_param
+    ),
+}
+
+
+def colour_op(op):
+    def apply(image, geometry, **op_kwargs):
+        return op(image, **op_kwargs), geometry
+
+    return apply
+
+
+def geometric_op(op):
+    def apply(image, geometry, **op_kwargs):
+        image, step = op(image, **op_kwargs)
+        return image, fn.transforms.combine(geometry, step)  # `step` after the ops so far
+
+    return apply
+
+
+def unchanged(image, geometry, **op_kwargs):
+    return image, geometry
+
+
+def rand_augment_with_geometry(image, spec: RandAugmentSpec, shape):
+    """timm's RandAugment over loaders.RAND_AUGMENT_OPS on `image` (its size (h, w) in `shape`) -> (image, the
+    forward pixel map its geometric ops composed to). DALI's apply_rand_augment cannot return that map, so the
+    selection is done here with DALI's own `select`, carrying (image, map) through every op."""
     if spec.increasing:
         suite = rand_augment.get_rand_augment_suite()
     else:
         suite = rand_augment.get_rand_augment_non_monotonic_suite()
     # invert and solarize_add are in timm's set but not in DALI's default suite; DALI provides both ops.
-    available = {op.name: op for op in [*suite, augmentations.invert, augmentations.solarize_add]}
-    ops = [available[name] for name in RAND_AUGMENT_OPS]
-    # timm applies each drawn op with probability 0.5; drawing uniformly from the ops plus as many identities
-    # gives exactly that (DALI always applies what it draws).
-    return rand_augment.apply_rand_augment(
-        ops + [augmentations.identity] * len(ops),
-        image,
-        n=spec.num_ops,
-        m=spec.magnitude,
-        # DALI's bins run 0..bins-1 over each op's range: 11 bins put magnitude m where timm's level m / 10 is.
-        num_magnitude_bins=MAX_RAND_AUGMENT_MAGNITUDE + 1,
-    )
+    colour = {op.name: op for op in [*suite, augmentations.invert, augmentations.solarize_add]}
+    ops = [
+        geometric_op(GEOMETRIC_AUGMENTATIONS[name]) if name in GEOMETRIC_AUGMENTATIONS else colour_op(colour[name])
+        for name in RAND_AUGMENT_OPS
+    ]
+    # timm applies each drawn op with probability 0.5: the last entry, unchanged, is drawn as often as all ops.
+    choices = list(range(len(ops))) + [len(ops)] * len(ops)
+    ops.append(unchanged)
+    geometry = fn.transforms.translation(offset=[0.0, 0.0])  # the identity, one per sample
+    for _ in range(spec.num_ops):
+        drawn = fn.random.uniform(values=choices, dtype=types.INT32)
+        image, geometry = select(
+            ops, drawn, image, geometry,
+            # DALI's bins run 0..bins-1 over each op's range: 11 bins put magnitude m where timm's level m / 10 is.
+            magnitude_bin=signed_bin(spec.magnitude), num_magnitude_bins=MAX_RAND_AUGMENT_MAGNITUDE + 1, shape=shape,
+        )
+    return image, geometry
 
 
 def random_erase(image, probability: float, img_size: int):
@@ -170,15 +246,36 @@ def train_pipeline(
         adjust_orientation=False,
     )
     flip = fn.random.coin_flip(probability=augment.hflip)
-    if not finish_on_host:
+    if finish_on_host:
+        shape = fn.cast(crop_shape, dtype=types.FLOAT)  # RandAugment acts on the decoded crop
+    else:
         image = fn.resize(image, size=(img_size, img_size), interp_type=INTERPOLATION[augment.interpolation])
+        shape = np.array([img_size, img_size], dtype=np.float32)
     if rand_spec is not None:
-        image = colour_rand_augment(image, rand_spec)
+        image, geometry = rand_augment_with_geometry(image, rand_spec, shape)
+    else:
+        geometry = fn.transforms.translation(offset=[0.0, 0.0])
     if not finish_on_host:
         image = normalise(image, img_size, mirror=flip)
         if augment.reprob > 0:
             image = random_erase(image, augment.reprob, img_size)
-    return image, record["label"], record["index"], image_hw, crop_box, flip
+    return image, record["label"], record["index"], image_hw, crop_box, flip, geometry
+
+
+# x -> 1 - x in normalised coordinates: the horizontal flip, its own inverse.
+MIRROR = torch.tensor([[-1.0, 0.0, 1.0], [0.0, 1.0, 0.0], [0.0, 0.0, 1.0]], dtype=torch.float64)
+
+
+def with_affine(batch: dict[str, torch.Tensor], size_hw: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Replaces the graph's `geometry` (forward pixel maps of RandAugment's geometric ops, on images of `size_hw`)
+    by the batch contract's `affine` (loaders.py): inverted, normalised, and for flipped samples conjugated by
+    the mirror, since DALI flips after RandAugment where the contract (and timm) flips before it."""
+    to_input = torch.linalg.inv(homogeneous(batch.pop("geometry").to(torch.float64)))
+    affine = homogeneous(normalised_affine(to_input[:, :2], size_hw).to(torch.float64))
+    flip = batch["flip"].to(torch.bool).cpu()
+    mirrored = MIRROR @ affine @ MIRROR
+    affine = torch.where(flip.view(-1, 1, 1), mirrored, affine)
+    return {**batch, "affine": affine[:, :2].to(torch.float32)}
 
 
 class HostFinish:
@@ -205,7 +302,7 @@ class HostFinish:
                     image = self.erase(image)
             images.append(image)
         batch["image"] = torch.stack(images)
-        return batch
+        return with_affine(batch, batch["crop_box"][:, 2:])
 
 
 @pipeline_def
@@ -251,8 +348,9 @@ class DaliBackend:
         outputs = TRAIN_OUTPUTS if training else VAL_OUTPUTS
         # DROP: a rank's partial last batch would be extra steps the other ranks do not take.
         policy = LastBatchPolicy.DROP if training else LastBatchPolicy.PARTIAL
+        size_hw = torch.tensor([[settings.img_size, settings.img_size]])
         for (batch,) in DALIGenericIterator(pipeline, list(outputs), reader_name=READER_NAME, last_batch_policy=policy):
-            yield batch
+            yield with_affine(batch, size_hw.expand(len(batch["flip"]), 2)) if training else batch
 
     def _graph(self, shard_id: int) -> bytes:
         if shard_id not in self._graphs:

@@ -4,8 +4,8 @@ Both backends read the same TFRecord shards and apply the same recipe (docs/cont
 they share lives here so it cannot drift between them: the shard arithmetic, the per-epoch seeds, the
 normalisation constants, the RandAugment op set, random erasing and the crop-window maths (the RandAugment spec
 is parsed once, by the params schema: `config.Augment.rand_augment_spec`). A backend yields raw batches (image,
-label, index, image_hw, and for training crop_box + flip); `Loader` turns them into the contract's batch (window,
-flip) on the runtime's device and stops every rank after the same number of batches.
+label, index, image_hw, and for training crop_box + flip + affine); `Loader` turns them into the contract's batch
+(window, flip, affine) on the runtime's device and stops every rank after the same number of batches.
 
 Determinism and resuming: every epoch's stream is a pure function of (seed, epoch, rank, world), so
 `set_epoch(e)` on a fresh loader reproduces epoch e of an uninterrupted run.
@@ -29,8 +29,11 @@ one's batch count with an empty batch (measured); `Loader` stops each rank after
 ceil(records / batch) batches, which removes it. That cap is the one place batch counts are enforced, for
 both backends and both splits.
 
-RandAugment is colour-only on both backends (`RAND_AUGMENT_OPS`): the token labels follow the crop window
-and the flip, and a rotate/shear/translate after the crop would move pixels away from their label cells.
+RandAugment draws from timm's op set (`RAND_AUGMENT_OPS`: colour ops and the geometric rotate, shear, translate).
+A geometric op moves pixels away from their label cells, so each train sample also carries the `affine` its
+geometric ops composed to (`IDENTITY_AFFINE` when none was drawn), in normalised coordinates: (x, y) of the
+output image, in [0, 1] over its width and height, -> (x, y) in the flipped crop before those ops. The token
+targets warp the teacher's map of the crop by it (labels/targets.py), so they follow the pixels.
 """
 
 from __future__ import annotations
@@ -56,11 +59,10 @@ from coarse2fine.errors import UserError
 
 IMAGE_MEAN = IMAGENET_DEFAULT_MEAN
 IMAGE_STD = IMAGENET_DEFAULT_STD
-# The colour ops of timm's RandAugment set, which DALI's auto_aug provides too. Left out: Rotate, ShearX/Y,
-# TranslateX/YRel (they would misplace the token labels, see the module docstring) and Posterize: timm 1.0.31
-# asks Pillow for 0 bits at high magnitudes (m10, or m9 plus mstd noise), which Pillow 13 rejects with a
+# timm's RandAugment set (its _RAND_TRANSFORMS), which DALI's auto_aug provides too. Left out: Posterize: timm
+# 1.0.31 asks Pillow for 0 bits at high magnitudes (m10, or m9 plus mstd noise), which Pillow 13 rejects with a
 # ValueError that kills the DataLoader worker.
-RAND_AUGMENT_OPS = (
+RAND_AUGMENT_COLOUR_OPS = (
     "auto_contrast",
     "equalize",
     "invert",
@@ -71,6 +73,14 @@ RAND_AUGMENT_OPS = (
     "brightness",
     "sharpness",
 )
+RAND_AUGMENT_GEOMETRIC_OPS = ("rotate", "shear_x", "shear_y", "translate_x", "translate_y")
+RAND_AUGMENT_OPS = RAND_AUGMENT_COLOUR_OPS + RAND_AUGMENT_GEOMETRIC_OPS
+# timm's strongest geometric ops (level 10; level m is m / 10 of these): degrees, shear factor, and translation as
+# a share of the image's width/height (its translate_pct default).
+MAX_ROTATE_DEGREES = 30.0
+MAX_SHEAR = 0.3
+MAX_TRANSLATE = 0.45
+IDENTITY_AFFINE = torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]])
 
 
 def derive_seed(*parts: int) -> int:
@@ -150,6 +160,24 @@ def normalised_window(crop_box: torch.Tensor, image_hw: torch.Tensor) -> torch.T
     return torch.cat([crop_box[:, :2] / image_hw, crop_box[:, 2:] / image_hw], dim=1).to(torch.float32)
 
 
+def normalised_affine(pixel_map: torch.Tensor, size_hw: torch.Tensor) -> torch.Tensor:
+    """[B, 2, 3] maps output -> input in continuous pixel coordinates (x, y; pixel centres at +0.5) of images of
+    `size_hw` [B, 2] (height, width) -> the same maps in coordinates normalised to [0, 1], float32."""
+    height, width = size_hw.to(torch.float64).unbind(dim=1)
+    scale = torch.stack([width, height], dim=1)[:, :, None]  # [B, 2, 1]
+    pixel_map = pixel_map.to(torch.float64)
+    linear = pixel_map[:, :, :2] * scale.transpose(1, 2) / scale
+    shift = pixel_map[:, :, 2:] / scale
+    return torch.cat([linear, shift], dim=2).to(torch.float32)
+
+
+def homogeneous(affine: torch.Tensor) -> torch.Tensor:
+    """[..., 2, 3] -> [..., 3, 3] with the row (0, 0, 1)."""
+    last_row = torch.zeros_like(affine[..., :1, :])
+    last_row[..., 2] = 1
+    return torch.cat([affine, last_row], dim=-2)
+
+
 def count_records(shards: list[tuple[Path, Path]]) -> list[int]:
     """Records per shard: one line per record in its index."""
     counts = []
@@ -214,16 +242,18 @@ class Loader:
         settings = self._settings
         image_hw = raw["image_hw"]
         if settings.split == "train":
-            crop_box, flip = raw["crop_box"], raw["flip"].to(torch.bool)
+            crop_box, flip, affine = raw["crop_box"], raw["flip"].to(torch.bool), raw["affine"]
         else:
             crop_box = center_crop_box(image_hw, settings.img_size, settings.crop_pct)
             flip = torch.zeros(len(image_hw), dtype=torch.bool)
+            affine = IDENTITY_AFFINE.expand(len(image_hw), 2, 3)
         batch = {
             "image": raw["image"],
             "label": raw["label"].to(torch.int64),
             "index": raw["index"].to(torch.int64),
             "window": normalised_window(crop_box, image_hw),
             "flip": flip,
+            "affine": affine.to(torch.float32),
         }
         runtime = settings.runtime
         return {key: value.to(runtime.device, non_blocking=runtime.is_cuda) for key, value in batch.items()}

@@ -16,6 +16,7 @@ from __future__ import annotations
 import bisect
 import io
 import itertools
+import math
 import os
 import struct
 from pathlib import Path
@@ -34,7 +35,10 @@ from torchvision.transforms import v2
 from coarse2fine.config import RandAugmentSpec
 from coarse2fine.data import records
 from coarse2fine.data.loaders import (
+    IDENTITY_AFFINE,
     RAND_AUGMENT_OPS,
+    homogeneous,
+    normalised_affine,
     LoaderSettings,
     derive_seed,
     normalise_pixels,
@@ -56,8 +60,35 @@ TIMM_OPS = {
     "contrast": "Contrast",
     "brightness": "Brightness",
     "sharpness": "Sharpness",
+    "rotate": "Rotate",
+    "shear_x": "ShearX",
+    "shear_y": "ShearY",
+    "translate_x": "TranslateXRel",
+    "translate_y": "TranslateYRel",
 }
 TIMM_INCREASING = frozenset({"solarize", "color", "contrast", "brightness", "sharpness"})
+
+
+def rotate_map(width: int, height: int, degrees: float) -> list[list[float]]:
+    """PIL's Image.rotate(degrees) (counter-clockwise about the centre) as its output -> input pixel map."""
+    angle = -math.radians(degrees)
+    cos, sin = math.cos(angle), math.sin(angle)
+    centre_x, centre_y = width / 2, height / 2
+    return [
+        [cos, sin, centre_x - cos * centre_x - sin * centre_y],
+        [-sin, cos, centre_y + sin * centre_x - cos * centre_y],
+    ]
+
+
+# timm's geometric ops as output -> input pixel maps: (width, height, the op's level argument) -> 2 x 3, the
+# coefficients its PIL transform uses (timm.data.auto_augment.shear_x and the others).
+PIXEL_MAPS = {
+    "Rotate": rotate_map,
+    "ShearX": lambda width, height, factor: [[1, factor, 0], [0, 1, 0]],
+    "ShearY": lambda width, height, factor: [[1, 0, 0], [factor, 1, 0]],
+    "TranslateXRel": lambda width, height, share: [[1, 0, share * width], [0, 1, 0]],
+    "TranslateYRel": lambda width, height, share: [[1, 0, 0], [0, 1, share * height]],
+}
 
 
 def timm_rand_augment(spec: RandAugmentSpec):
@@ -67,6 +98,34 @@ def timm_rand_augment(spec: RandAugmentSpec):
     return rand_augment_transform(spec.text, transforms=names)
 
 
+class GeometricRandAugment:
+    """timm's RandAugment over loaders.RAND_AUGMENT_OPS, which also returns the affine (normalised output ->
+    input, loaders.py) its geometric ops composed to: each geometric op's function is wrapped to record its
+    pixel map, from the very arguments timm drew for it."""
+
+    def __init__(self, spec: RandAugmentSpec):
+        self.rand_augment = timm_rand_augment(spec)
+        for op in self.rand_augment.ops:
+            if op.name in PIXEL_MAPS:
+                op.aug_fn = self._recording(op.aug_fn, PIXEL_MAPS[op.name])
+        self._pixel_map = torch.eye(3, dtype=torch.float64)
+
+    def _recording(self, apply_op, pixel_map):
+        def apply_and_record(image: Image.Image, level_argument: float, **kwargs) -> Image.Image:
+            step = torch.tensor(pixel_map(*image.size, level_argument), dtype=torch.float64)
+            # The ops applied so far map the output back after this op's map: compose on the right.
+            self._pixel_map = self._pixel_map @ homogeneous(step)
+            return apply_op(image, level_argument, **kwargs)
+
+        return apply_and_record
+
+    def __call__(self, image: Image.Image) -> tuple[Image.Image, torch.Tensor]:
+        self._pixel_map = torch.eye(3, dtype=torch.float64)
+        image = self.rand_augment(image)
+        size_hw = torch.tensor([[image.height, image.width]])
+        return image, normalised_affine(self._pixel_map[None, :2], size_hw)[0]
+
+
 def to_normalised_tensor(image: Image.Image) -> torch.Tensor:
     """RGB PIL image -> float32 [3, H, W] normalised (np.array: a writable copy for torch)."""
     return normalise_pixels(torch.from_numpy(np.array(image)).permute(2, 0, 1))
@@ -74,7 +133,7 @@ def to_normalised_tensor(image: Image.Image) -> torch.Tensor:
 
 class TrainTransform:
     """random-resized-crop -> resize S x S -> hflip -> RandAugment -> normalise -> random erasing; returns the
-    crop box (top, left, height, width) in pixels and the flip with the image."""
+    crop box (top, left, height, width) in pixels, the flip and RandAugment's affine with the image."""
 
     def __init__(self, settings: LoaderSettings):
         augment = settings.augment_cfg
@@ -82,7 +141,7 @@ class TrainTransform:
         self.augment = augment
         self.interpolation = InterpolationMode[augment.interpolation.upper()]
         spec = augment.rand_augment_spec
-        self.rand_augment = timm_rand_augment(spec) if spec is not None else None
+        self.rand_augment = GeometricRandAugment(spec) if spec is not None else None
         self.erase = random_erasing(augment)
 
     def __call__(self, image: Image.Image) -> dict[str, torch.Tensor]:
@@ -94,12 +153,16 @@ class TrainTransform:
         flip = bool(torch.rand(()) < self.augment.hflip)
         if flip:
             image = v2.functional.horizontal_flip(image)
+        affine = IDENTITY_AFFINE
         if self.rand_augment is not None:
-            image = self.rand_augment(image)
+            image, affine = self.rand_augment(image)
         image = to_normalised_tensor(image)
         if self.erase is not None:
             image = self.erase(image)
-        return {"image": image, "crop_box": torch.tensor([top, left, height, width]), "flip": torch.tensor(flip)}
+        return {
+            "image": image, "crop_box": torch.tensor([top, left, height, width]), "flip": torch.tensor(flip),
+            "affine": affine,
+        }
 
 
 class ValTransform:

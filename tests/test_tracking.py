@@ -18,6 +18,7 @@ import torch
 import yaml
 from conftest import PROJECT_ROOT, cpu_runtime, make_params
 from mlflow import MlflowClient
+from mlflow.exceptions import MlflowException
 from mlflow.utils.mlflow_tags import MLFLOW_GIT_COMMIT
 
 from coarse2fine.config import parse_params
@@ -355,6 +356,47 @@ def test_stages_creating_a_fresh_store_at_once_both_succeed(tmp_path):
         [MlflowClient(env["MLFLOW_TRACKING_URI"]).get_experiment_by_name("coarse2fine").experiment_id]
     )
     assert sorted(run.data.metrics["ok"] for run in found) == [1.0, 1.0]
+
+
+UNUSABLE_STORES = {
+    "server down": "http://127.0.0.1:9",  # the discard port: connection refused
+    "bad URI": "bogus://nowhere",
+    "store that cannot be written": "sqlite:////proc/coarse2fine/mlflow.db",
+}
+
+
+@pytest.mark.parametrize("uri", UNUSABLE_STORES.values(), ids=UNUSABLE_STORES.keys())
+def test_an_unusable_mlflow_store_is_one_warning_and_the_stage_goes_on(tmp_path, uri):
+    env = {"MLFLOW_TRACKING_URI": uri, "PATH": str(Path(sys.executable).parent),
+           "PYTHONPATH": str(Path(__file__).parent), "MLFLOW_DISABLE_TELEMETRY": "true"}
+    run = subprocess.run([sys.executable, "-c", OPEN_A_RUN, str(tmp_path / "metrics")], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stderr.count("\n") == 1 and run.stderr.startswith(f"warning: MLflow at {uri} is not usable ("), run.stderr
+    assert "convert goes on without it; its metrics are in" in run.stderr
+    assert json.loads((tmp_path / "metrics" / "metrics.json").read_text()) == {"ok": 1.0}
+
+
+def test_mlflow_failing_mid_stage_is_one_warning_and_nothing_is_lost(workdir, store, request, monkeypatch, caplog):
+    metrics_dir = workdir / "metrics"
+    with Tracker("pretrain", params_for(request), cpu_runtime(), metrics_dir=metrics_dir, param_sections=PRETRAIN_SECTIONS) as tracker:
+        tracker.log_metrics({"train_loss": 2.0}, step=0)
+        run_id = tracker.run_id
+
+        def server_gone(*args, **kwargs):
+            raise MlflowException("API request failed: connection refused")
+
+        monkeypatch.setattr(MlflowClient, "log_batch", server_gone)
+        monkeypatch.setattr(MlflowClient, "set_terminated", server_gone)
+        tracker.log_metrics({"train_loss": 1.0}, step=1)
+        tracker.set_tag("k", "v")
+        tracker.log_summary({"top1": 90.0})
+    assert caplog.text.count("is not usable (") == 1 and "connection refused" in caplog.text, caplog.text
+    assert tsv_rows(metrics_dir / "plots/metrics/train_loss.tsv")[1:] == [["0", "2.0"], ["1", "1.0"]]
+    assert json.loads((metrics_dir / "metrics.json").read_text())["top1"] == 90.0
+    monkeypatch.undo()
+    assert tracker.run_id is None
+    assert history(store, run_id, "train_loss") == [(0, 2.0)]  # what MLflow had before it went
 
 
 def schema_revision(database: Path) -> str | None:

@@ -8,6 +8,11 @@ directory that dvc.yaml declares as metrics and plots:
     <metrics_dir>/plots/metrics/<name>.tsv   one row per logged step (`dvc plots show`)
 
 Only rank 0 tracks; on other ranks every method is a no-op, so callers never branch on the rank.
+
+MLflow is a convenience, DVC's files are the record: if the store cannot be reached or written (a bad URI, a
+server that is down, a read-only database), the stage prints one warning and goes on without MLflow, and its
+metrics still land in the DVCLive files. Against a server, MLflow's HTTP retries are cut to
+`HTTP_RETRIES` (its default, 7 with exponential back-off, waits minutes per call) unless the environment sets them.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ logger = logging.getLogger(__name__)
 
 STAGE_TAG = "stage"
 DVC_EXPERIMENT_TAG = "dvc.experiment"
+HTTP_RETRIES = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
 
 
 def project_root() -> Path:
@@ -162,7 +168,8 @@ class Tracker:
         self.resume_run_id = resume_run_id
         self.enabled = runtime.is_main
         self.run_id: str | None = None
-        self._client: MlflowClient | None = None
+        self.uri: str | None = None
+        self._client: MlflowClient | None = None  # None: not started, or MLflow off
         self._live: Live | None = None
 
     def __enter__(self) -> Tracker:
@@ -172,11 +179,17 @@ class Tracker:
         # MLflow's and alembic's INFO lines on creating a store would bury a stage's own messages.
         for name in ("dvclive", "mlflow", "alembic"):
             logging.getLogger(name).setLevel(logging.WARNING)
-        uri = tracking_uri()
-        with _store_lock(uri):
-            _create_missing_sqlite_store(uri)
-            self._client = MlflowClient(tracking_uri=uri)
-            self.run_id = self._open_run(uri)
+        uri = self.uri = tracking_uri()
+        if uri.startswith(("http://", "https://")):
+            for name, value in HTTP_RETRIES.items():
+                os.environ.setdefault(name, value)
+        try:
+            with _store_lock(uri):
+                _create_missing_sqlite_store(uri)
+                self._client = MlflowClient(tracking_uri=uri)
+                self.run_id = self._open_run(uri)
+        except Exception as error:  # whatever the store raised: MlflowException, sqlalchemy, requests, OSError
+            self._without_mlflow(error)
         try:
             # save_dvc_exp=False, dvcyaml=None, report=None: no experiments behind the user's back (that is
             # `dvc exp run`'s job), no edits of dvc.yaml, no report files.
@@ -189,9 +202,28 @@ class Tracker:
                 dvcyaml=None,
             )
         except BaseException:
-            self._client.set_terminated(self.run_id, "FAILED")
+            self._mlflow("set_terminated", self.run_id, "FAILED")
             raise
         return self
+
+    def _without_mlflow(self, error: BaseException) -> None:
+        """One warning, then MLflow is off for the rest of the stage."""
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        logger.warning(
+            "warning: MLflow at %s is not usable (%s): %s goes on without it; its metrics are in %s",
+            self.uri, reason[:300], self.stage, self.metrics_dir,
+        )
+        self._client, self.run_id = None, None
+
+    def _mlflow(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """The MLflow client's `method(*args, **kwargs)`; None when MLflow is off or the call fails (-> off)."""
+        if self._client is None:
+            return None
+        try:
+            return getattr(self._client, method)(*args, **kwargs)
+        except Exception as error:
+            self._without_mlflow(error)
+            return None
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
         if not self.enabled:
@@ -205,7 +237,7 @@ class Tracker:
         try:
             self._live.end()
         finally:
-            self._client.set_terminated(self.run_id, status)
+            self._mlflow("set_terminated", self.run_id, status)
 
     def _open_run(self, uri: str) -> str:
         if self.resume_run_id is not None:
@@ -253,7 +285,7 @@ class Tracker:
         if not self.enabled:
             return
         values = _plain_numbers(metrics)
-        self._client.log_batch(self.run_id, metrics=_mlflow_metrics(values, step))
+        self._mlflow("log_batch", self.run_id, metrics=_mlflow_metrics(values, step))
         self._log_live(values, step)
 
     def _log_live(self, values: Mapping[str, int | float], step: int) -> None:
@@ -272,9 +304,9 @@ class Tracker:
             return
         self._live.drop_history_from(step)
         values = _plain_numbers(metrics)
-        logged = {entry.step for entry in self._client.get_metric_history(self.run_id, next(iter(values)))}
-        if step not in logged:
-            self._client.log_batch(self.run_id, metrics=_mlflow_metrics(values, step))
+        history = self._mlflow("get_metric_history", self.run_id, next(iter(values)))
+        if history is not None and step not in {entry.step for entry in history}:
+            self._mlflow("log_batch", self.run_id, metrics=_mlflow_metrics(values, step))
         self._log_live(values, step)
 
     def log_summary(self, metrics: Mapping[str, float]) -> None:
@@ -282,24 +314,20 @@ class Tracker:
         if not self.enabled:
             return
         values = _plain_numbers(metrics)
-        self._client.log_batch(self.run_id, metrics=_mlflow_metrics(values, step=0))
+        self._mlflow("log_batch", self.run_id, metrics=_mlflow_metrics(values, step=0))
         for name, value in values.items():
             self._live.log_metric(name, value, plot=False)
         self._live.make_summary()
 
     def log_artifact(self, path: str | os.PathLike[str], artifact_path: str | None = None) -> None:
         """Copy a file (or a directory's contents) into the run's artifacts, under `artifact_path` if given."""
-        if not self.enabled:
-            return
-        if Path(path).is_dir():
-            self._client.log_artifacts(self.run_id, str(path), artifact_path)
-        else:
-            self._client.log_artifact(self.run_id, str(path), artifact_path)
+        if self.enabled:
+            method = "log_artifacts" if Path(path).is_dir() else "log_artifact"
+            self._mlflow(method, self.run_id, str(path), artifact_path)
 
     def set_tag(self, key: str, value: Any) -> None:
-        if not self.enabled:
-            return
-        self._client.set_tag(self.run_id, key, str(value))
+        if self.enabled:
+            self._mlflow("set_tag", self.run_id, key, str(value))
 
 
 def _plain_numbers(metrics: Mapping[str, Any]) -> dict[str, int | float]:

@@ -138,6 +138,12 @@ class Project:
         assert text.count(old) == 1, f"{old!r} is not once in {relative_path}"
         path.write_text(text.replace(old, new))
 
+    def mlflow(self):
+        """A client of the copy's MLflow store."""
+        from mlflow import MlflowClient
+
+        return MlflowClient(self.env["MLFLOW_TRACKING_URI"])
+
     def metrics(self, stage: str) -> dict:
         return json.loads((self.path / "metrics" / stage / "metrics.json").read_text())
 

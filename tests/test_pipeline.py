@@ -38,12 +38,14 @@ FAST = {
 }
 TOKEN_LABELS = {"pretrain": {"token_label": {"enabled": True, "mix_token": True}}}
 EVALUATIONS = {"evaluate@pretrain", "evaluate@finetune", "compare"}
-EVERY_STAGE = {"source", "convert", "teacher", "token_labels", "pretrain", "finetune", *EVALUATIONS}
+# Run at every full `dvc repro`: the source listing and the MLflow lineage.
+ALWAYS = {"source", "lineage"}
+EVERY_STAGE = {*ALWAYS, "convert", "teacher", "token_labels", "pretrain", "finetune", *EVALUATIONS}
 FINETUNED = {"finetune", "evaluate@finetune", "compare"}
 # `dvc repro evaluate@pretrain`: up to the coarse model's evaluation, for the tests whose subject comes before
 # fine-tuning (each launched stage costs seconds of start-up).
 COARSE_TARGET = "evaluate@pretrain"
-UP_TO_COARSE = EVERY_STAGE - FINETUNED
+UP_TO_COARSE = EVERY_STAGE - FINETUNED - {"lineage"}
 EPOCHS_TO_KILL = 4
 # A behaviour change in a module pretrain and the teacher import (not their scripts): the ground-truth objective
 # stops learning.
@@ -89,27 +91,37 @@ def test_repro_reruns_exactly_what_a_params_or_code_change_affects(project):
     assert compared["finetune"]["top1"] == fine["top1"] and compared["pretrain"]["img_size"] == 16
     assert compared["finetune_gain_top1"] == pytest.approx(fine["top1"] - coarse["top1"])
 
-    assert project.repro() == {"source"}  # a second run only lists the source, which is unchanged
+    assert project.repro() == ALWAYS  # a second run only lists the source, which is unchanged
 
     # Only finetune.* and evaluate.finetune.*: the data, teacher, token labels and the pre-trained model stay cached.
     project.edit_params({"finetune": {"label_smoothing": 0.0}, "evaluate": {"finetune": {"crop_pct": 0.875}}})
-    assert project.repro() == {"source", *FINETUNED}
+    assert project.repro() == {*ALWAYS, *FINETUNED}
+    # In MLflow the new pipeline run still shows every stage: the cached ones link to the first pipeline's runs.
+    first, second = pipeline_runs(project)
+    assert stage_runs(project, second) == {stage: True for stage in CACHED_FROM_FIRST} | {
+        "finetune": False, "evaluate@finetune": False,
+    }
+    for stage in CACHED_FROM_FIRST:
+        linked = stage_run(project, second, stage)
+        made = project.mlflow().get_run(linked.data.tags["cached_from"])
+        assert made.data.tags["mlflow.parentRunId"] == first.info.run_id and made.data.tags["stage"] == stage
+        assert linked.data.metrics.get("top1") == made.data.metrics.get("top1")
 
     project.edit_params({"pretrain": {"label_smoothing": 0.0}})  # only pretrain.*: teacher and labels stay cached
-    assert project.repro() == {"source", "pretrain", "finetune", *EVALUATIONS}
+    assert project.repro() == {*ALWAYS, "pretrain", "finetune", *EVALUATIONS}
     assert project.metrics("pretrain")["top1"] >= 90.0
 
     # Another teacher: new token labels, and both students rerun on them. Pre-training on the ground truth here,
     # it trains the same weights bit for bit, so DVC leaves its evaluation cached.
     project.edit_params({"teacher": {"epochs": 4}})
-    assert project.repro() == {"source", "teacher", "token_labels", "pretrain", *FINETUNED}
+    assert project.repro() == {*ALWAYS, "teacher", "token_labels", "pretrain", *FINETUNED}
     assert project.metrics("teacher")["top1"] >= 50.0  # chance is 10 %
 
     # An experiment with one knob changed, as a user runs it; it sees the same cache.
     project.commit("params")
     output = project.run("dvc", "exp", "run", "-S", "evaluate.batch_size=128").stdout
     # compare reruns only if an evaluation's metrics file changed (the counts do not depend on the batch size).
-    assert {"source", "evaluate@pretrain", "evaluate@finetune"} <= ran_stages(output) <= {"source", *EVALUATIONS}
+    assert {*ALWAYS, "evaluate@pretrain", "evaluate@finetune"} <= ran_stages(output) <= {*ALWAYS, *EVALUATIONS}
 
     # A behaviour change in a module the training stages import: models/*_ckpt survive reruns (persist) and
     # hold the last epoch under the same params, but a checkpoint written by other code must not be resumed.
@@ -126,6 +138,32 @@ def test_repro_reruns_exactly_what_a_params_or_code_change_affects(project):
     for name in ("evaluate/pretrain", "evaluate/finetune", "pretrain", "finetune"):
         assert files[f"metrics/{name}/metrics.json"]["data"]["top1"] == project.metrics(name)["top1"]
     assert files["metrics/compare.json"]["data"]["finetune"]["top1"] == project.metrics("evaluate/finetune")["top1"]
+
+
+# The stages with MLflow runs that a finetune.* change leaves cached (source and compare are plain python).
+CACHED_FROM_FIRST = ("convert", "teacher", "token_labels", "pretrain", "evaluate@pretrain")
+
+
+def pipeline_runs(project: Project) -> list:
+    client = project.mlflow()
+    experiment = client.get_experiment_by_name("coarse2fine").experiment_id
+    return client.search_runs([experiment], "tags.stage = 'pipeline'", order_by=["attributes.start_time ASC"])
+
+
+def stage_runs(project: Project, pipeline) -> dict[str, bool]:
+    """stage -> whether its run in `pipeline` is a link to a cached result."""
+    client = project.mlflow()
+    children = client.search_runs(
+        [pipeline.info.experiment_id], f"tags.`mlflow.parentRunId` = '{pipeline.info.run_id}'"
+    )
+    return {run.data.tags["stage"]: "cached_from" in run.data.tags for run in children}
+
+
+def stage_run(project: Project, pipeline, stage: str):
+    client = project.mlflow()
+    query = f"tags.`mlflow.parentRunId` = '{pipeline.info.run_id}' and tags.stage = '{stage}'"
+    (run,) = client.search_runs([pipeline.info.experiment_id], query)
+    return run
 
 
 def kill_repro_when(project: Project, stage: str, ready: Callable[[], bool], poll_seconds: float = 0.1) -> None:

@@ -19,13 +19,25 @@ import yaml
 from conftest import PROJECT_ROOT, cpu_runtime, make_params
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
-from mlflow.utils.mlflow_tags import MLFLOW_GIT_COMMIT
+from mlflow.utils.mlflow_tags import MLFLOW_GIT_COMMIT, MLFLOW_PARENT_RUN_ID
 
-from coarse2fine.config import parse_params
+from coarse2fine.config import flatten, parse_params
 from coarse2fine.distributed import Runtime
-from coarse2fine.tracking import DVC_EXPERIMENT_TAG, STAGE_TAG, Tracker, stage_params, tracking_uri
+from coarse2fine.tracking import (
+    DVC_EXPERIMENT_TAG,
+    GIT_DIRTY_TAG,
+    PIPELINE_KEY_TAG,
+    PIPELINE_STAGE,
+    STAGE_TAG,
+    Tracker,
+    outputs_digest,
+    record_lineage,
+    stage_params,
+    tracking_uri,
+)
 
 PRETRAIN_SECTIONS = ("seed", "model", "pretrain")
+STAGE_RUNS = f"tags.{STAGE_TAG} != '{PIPELINE_STAGE}'"  # search_runs filter: the stages' runs, not the pipelines'
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +93,8 @@ def test_run_holds_params_metrics_history_tags_and_artifacts(workdir, store, req
         tracker.log_summary({"top1": 97.5, "n": 108})
         tracker.log_artifact(workdir / "notes.txt")
         tracker.log_artifact(workdir / "bundle", artifact_path="extra")
-        tracker.set_tag("global_batch", 64)
+        tracker.set_tag("weights_file", "teacher.pt")
+        tracker.log_setup({"global_batch": 64, "effective_lr": 1e-3})
 
     run = client(store).get_run(tracker.run_id)
     assert run.info.status == "FINISHED"
@@ -90,7 +103,12 @@ def test_run_holds_params_metrics_history_tags_and_artifacts(workdir, store, req
     assert run.data.tags[STAGE_TAG] == "pretrain"
     assert run.data.tags[MLFLOW_GIT_COMMIT] == git("rev-parse", "HEAD", cwd=workdir)
     assert run.data.tags[DVC_EXPERIMENT_TAG] == "lucky-lamb"
-    assert run.data.tags["global_batch"] == "64"
+    assert run.data.tags[GIT_DIRTY_TAG] == "false"
+    assert run.data.tags["weights_file"] == "teacher.pt"
+    pipeline = client(store).get_run(run.data.tags[MLFLOW_PARENT_RUN_ID])
+    assert pipeline.info.run_name == "pipeline lucky-lamb" and pipeline.info.status == "FINISHED"
+    assert pipeline.data.tags[PIPELINE_KEY_TAG] == run.data.tags[PIPELINE_KEY_TAG]
+    assert pipeline.data.params.keys() == flatten(params).keys()  # the whole params file, in batches of 100
 
     logged = run.data.params
     assert logged.keys() == stage_params(params, (*PRETRAIN_SECTIONS, "data")).keys()
@@ -103,6 +121,7 @@ def test_run_holds_params_metrics_history_tags_and_artifacts(workdir, store, req
     assert history(store, tracker.run_id, "val_top1") == [(0, 0.0), (1, 10.0), (2, 20.0)]
     assert history(store, tracker.run_id, "train_loss") == [(0, 1.0), (1, 0.5), (2, pytest.approx(1 / 3))]
     assert run.data.metrics["top1"] == 97.5 and run.data.metrics["n"] == 108
+    assert run.data.metrics["global_batch"] == 64 and run.data.metrics["effective_lr"] == 1e-3  # numbers, not tags
 
     artifacts = client(store).list_artifacts(tracker.run_id)
     assert sorted(item.path for item in artifacts) == ["extra", "notes.txt"]
@@ -136,7 +155,8 @@ def test_resume_continues_the_same_run_and_history(workdir, store, request):
 
     assert resumed.run_id == first.run_id
     experiment = client(store).get_experiment_by_name(request.node.name)
-    assert [run.info.run_id for run in client(store).search_runs([experiment.experiment_id])] == [first.run_id]
+    assert [run.info.run_id for run in client(store).search_runs([experiment.experiment_id], STAGE_RUNS)] == [first.run_id]
+    assert client(store).get_run(resumed.pipeline_run_id).info.status == "FINISHED"  # ends as its last stage did
     assert client(store).get_run(first.run_id).info.status == "FINISHED"
     assert history(store, first.run_id, "val_top1") == [(step, float(step)) for step in range(4)]
     rows = tsv_rows(metrics_dir / "plots" / "metrics" / "val_top1.tsv")
@@ -175,6 +195,73 @@ def test_a_resumed_history_holds_each_step_once_wherever_the_kill_fell(workdir, 
         rows = tsv_rows(metrics_dir / "plots" / "metrics" / f"{name}.tsv")
         assert [(int(row[0]), float(row[1])) for row in rows[1:]] == expected
     assert json.loads((metrics_dir / "metrics.json").read_text()) == {**epoch_metrics[3], "step": 3}
+
+
+def open_and_close(request, stage: str, params, workdir: Path, fail: bool = False) -> Tracker:
+    with contextlib.suppress(RuntimeError):
+        with Tracker(stage, params, cpu_runtime(), metrics_dir=workdir / stage, param_sections=("seed",)) as tracker:
+            if fail:
+                raise RuntimeError("diverged")
+    return tracker
+
+
+def test_stages_nest_under_the_pipeline_run_of_their_code_params_and_data(workdir, store, request):
+    (workdir / "src").mkdir()
+    (workdir / "src" / "module.py").write_text("x = 1\n")
+    (workdir / "data").mkdir()
+    (workdir / "data" / "source.json").write_text('{"kind": "digits"}\n')
+    params = params_for(request)
+    convert, teacher = (open_and_close(request, stage, params, workdir) for stage in ("convert", "teacher"))
+    assert convert.pipeline_run_id == teacher.pipeline_run_id
+    assert client(store).get_run(teacher.run_id).data.tags[MLFLOW_PARENT_RUN_ID] == teacher.pipeline_run_id
+
+    other_params = open_and_close(request, "convert", params_for(request, seed=1), workdir)
+    (workdir / "src" / "module.py").write_text("x = 2\n")
+    other_code = open_and_close(request, "convert", params, workdir)
+    (workdir / "data" / "source.json").write_text('{"kind": "imagefolder"}\n')
+    other_data = open_and_close(request, "convert", params, workdir, fail=True)
+    pipelines = {tracker.pipeline_run_id for tracker in (convert, other_params, other_code, other_data)}
+    assert len(pipelines) == 4
+    assert client(store).get_run(other_data.pipeline_run_id).info.status == "FAILED"  # as its last stage
+    tags = [client(store).get_run(run_id).data.tags for run_id in pipelines]
+    assert all(tag[STAGE_TAG] == PIPELINE_STAGE for tag in tags)
+    assert len({(tag["code.hash"], tag["params.hash"], tag["data.hash"]) for tag in tags}) == 4
+
+
+def lock_with(outputs: dict[str, str]) -> dict:
+    """A dvc.lock's contents: stage -> the md5 of its one output."""
+    return {"schema": "2.0", "stages": {
+        stage: {"cmd": "x", "outs": [{"path": f"out/{stage}", "hash": "md5", "md5": md5}]} for stage, md5 in outputs.items()
+    }}
+
+
+def test_lineage_links_each_cached_stage_to_the_run_that_made_its_outputs(workdir, store, request, capsys):
+    first_params, second_params = params_for(request), params_for(request, seed=1)
+    made = {stage: open_and_close(request, stage, first_params, workdir) for stage in ("teacher", "pretrain")}
+    first_lock = lock_with({"teacher": "a" * 32, "pretrain": "b" * 32, "source": "c" * 32})
+    assert record_lineage(first_params, first_lock) == []  # every stage ran here: their runs get their outputs
+    assert client(store).get_run(made["teacher"].run_id).data.tags["dvc.outs"] == outputs_digest(
+        first_lock["stages"]["teacher"]
+    )
+
+    # Another pipeline in which only pretrain ran; the teacher's outputs are the ones the first one made.
+    rerun = open_and_close(request, "pretrain", second_params, workdir)
+    lines = record_lineage(second_params, lock_with({"teacher": "a" * 32, "pretrain": "d" * 32, "source": "c" * 32}))
+    assert lines == [f"teacher: cached, made by run {made['teacher'].run_id} (pipeline run {made['teacher'].pipeline_run_id})"]
+    children = client(store).search_runs(
+        [client(store).get_experiment_by_name(request.node.name).experiment_id],
+        f"tags.`{MLFLOW_PARENT_RUN_ID}` = '{rerun.pipeline_run_id}'",
+    )
+    assert sorted((run.info.run_name, run.data.tags.get("cached_from")) for run in children) == [
+        ("pretrain", None), ("teacher (cached)", made["teacher"].run_id),
+    ]
+    assert client(store).get_run(rerun.pipeline_run_id).info.status == "FINISHED"
+
+
+def test_lineage_without_a_usable_store_is_one_warning(workdir, request, monkeypatch, caplog):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "bogus://nowhere")
+    assert record_lineage(params_for(request), lock_with({"teacher": "a" * 32})) == []
+    assert caplog.text.count("is not usable (") == 1 and "no lineage recorded" in caplog.text
 
 
 def test_metrics_json_is_replaced_whole_or_not_at_all(workdir, request):
@@ -323,7 +410,9 @@ def test_dvclive_inside_dvc_repro_and_exp_run_only_writes_its_files(workdir, sto
     assert json.loads((repo / "metrics/pretrain/metrics.json").read_text()) == {"val_top1": 30.0, "step": 3, "top1": 30.0}
 
     mlflow = client(store)
-    runs = mlflow.search_runs([mlflow.get_experiment_by_name(request.node.name).experiment_id], order_by=["attributes.start_time"])
+    runs = mlflow.search_runs(
+        [mlflow.get_experiment_by_name(request.node.name).experiment_id], STAGE_RUNS, order_by=["attributes.start_time"]
+    )
     assert [(run.data.params["pretrain.epochs"], run.data.tags.get(DVC_EXPERIMENT_TAG)) for run in runs] == [("3", None), ("4", "four-epochs")]
 
 
@@ -355,7 +444,11 @@ def test_stages_creating_a_fresh_store_at_once_both_succeed(tmp_path):
     found = MlflowClient(env["MLFLOW_TRACKING_URI"]).search_runs(
         [MlflowClient(env["MLFLOW_TRACKING_URI"]).get_experiment_by_name("coarse2fine").experiment_id]
     )
-    assert sorted(run.data.metrics["ok"] for run in found) == [1.0, 1.0]
+    stages = [run for run in found if run.data.tags[STAGE_TAG] != PIPELINE_STAGE]
+    assert sorted(run.data.metrics["ok"] for run in stages) == [1.0, 1.0]
+    # The same code, params and data: one pipeline run, created once, both stages under it.
+    [pipeline] = [run for run in found if run.data.tags[STAGE_TAG] == PIPELINE_STAGE]
+    assert {run.data.tags[MLFLOW_PARENT_RUN_ID] for run in stages} == {pipeline.info.run_id}
 
 
 UNUSABLE_STORES = {

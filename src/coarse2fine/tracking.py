@@ -1,4 +1,5 @@
-"""Experiment tracking: one MLflow run per stage execution plus DVCLive files for DVC.
+"""Experiment tracking: one MLflow run per stage execution, nested under one run per pipeline, plus DVCLive files
+for DVC.
 
 The only module that imports mlflow and dvclive. MLflow keeps the browsable history (params, per-step
 metrics, artifacts, tags) in a sqlite store; DVCLive writes plain files under the stage's metrics
@@ -8,6 +9,20 @@ directory that dvc.yaml declares as metrics and plots:
     <metrics_dir>/plots/metrics/<name>.tsv   one row per logged step (`dvc plots show`)
 
 Only rank 0 tracks; on other ranks every method is a no-op, so callers never branch on the rank.
+
+Pipeline runs. DVC hands its stages no execution id, and each stage is a process of its own. A stage's run is
+nested (MLflow's parentRunId) under the pipeline run of what decides its results, `pipeline_identity`: the code
+(every file under src/ and stages/, dirty edits included), the whole params file and the data (the source
+stage's listings), hashed into `pipeline.key`. Every stage of one `dvc repro`, `dvc repro <stage>`, `make repro`
+or `dvc exp run` computes the same key and finds that run (or creates it: under the store's lock for a sqlite
+store; against a server, two racing creators both look again and the later run deletes itself). Another params
+value or code edit is another pipeline run; reproducing an unchanged pipeline again nests under the same one.
+The pipeline run holds every param; it is RUNNING while one of its stages runs and ends as its last stage did.
+
+Lineage. A stage DVC skipped has no run of its own in the new pipeline run. The last stage of the pipeline
+(stages/lineage.py, every `dvc repro`) calls `record_lineage` with dvc.lock: each stage run of this pipeline is
+tagged with its outputs' DVC hashes (`dvc.outs`), and each stage without one gets a "<stage> (cached)" run, tagged
+`cached_from` = the run whose `dvc.outs` match the outputs DVC kept, with that run's final metrics.
 
 MLflow is a convenience, DVC's files are the record: if the store cannot be reached or written (a bad URI, a
 server that is down, a read-only database), the stage prints one warning and goes on without MLflow, and its
@@ -19,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import hashlib
 import json
 import logging
 import os
@@ -34,7 +50,7 @@ from filelock import FileLock
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param
 from mlflow.exceptions import MlflowException
-from mlflow.utils.mlflow_tags import MLFLOW_GIT_COMMIT
+from mlflow.utils.mlflow_tags import MLFLOW_GIT_COMMIT, MLFLOW_PARENT_RUN_ID
 
 from coarse2fine.config import Params, flatten
 from coarse2fine.distributed import Runtime
@@ -44,6 +60,17 @@ logger = logging.getLogger(__name__)
 
 STAGE_TAG = "stage"
 DVC_EXPERIMENT_TAG = "dvc.experiment"
+GIT_DIRTY_TAG = "git.dirty"
+PIPELINE_KEY_TAG = "pipeline.key"
+# On a pipeline run: STAGE_TAG = PIPELINE_STAGE.
+PIPELINE_STAGE = "pipeline"
+# Lineage (`record_lineage`): a run's outputs as DVC hashed them, and a cached stage's link to the run that made them.
+OUTPUTS_TAG = "dvc.outs"
+CACHED_FROM_TAG = "cached_from"
+MAX_PARAMS_PER_BATCH = 100  # MLflow's limit for one log_batch
+# What `pipeline_identity` hashes, relative to the directory a stage runs in (the repo, or DVC's copy of it).
+CODE_DIRS = ("src", "stages")
+DATA_LISTINGS = ("data/source.json", "data/teacher_source.json")
 HTTP_RETRIES = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
 
 
@@ -89,14 +116,35 @@ def _create_missing_sqlite_store(uri: str) -> None:
         MlflowClient(tracking_uri=f"sqlite:///{temporary}")  # creates the schema
 
 
-def _git_commit() -> str | None:
-    # Asked in the working directory, not project_root(): a queued DVC experiment runs a checkout of its
-    # own baseline commit in a temporary directory while the main repo's HEAD may have moved on.
+def _git_state() -> dict[str, str]:
+    """The commit and whether the code differs from it (tags). Asked in the working directory, not
+    project_root(): a queued DVC experiment runs a checkout of its own baseline commit in a temporary directory
+    while the main repo's HEAD may have moved on."""
     try:
-        completed = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True)
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True)
+        diff = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", *CODE_DIRS], capture_output=True)
     except (OSError, subprocess.CalledProcessError):
-        return None
-    return completed.stdout.strip()
+        return {}
+    return {MLFLOW_GIT_COMMIT: commit.stdout.strip(), GIT_DIRTY_TAG: str(diff.returncode != 0).lower()}
+
+
+def _files_digest(paths: Sequence[Path]) -> str:
+    digest = hashlib.sha256()
+    for path in paths:
+        digest.update(str(path).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def pipeline_identity(params: Params) -> dict[str, str]:
+    """Tags naming the pipeline a stage belongs to: digests of its code, params and data, and the key over them."""
+    code = sorted(path for directory in CODE_DIRS for path in Path(directory).rglob("*.py"))
+    digests = {
+        "code.hash": _files_digest(code),
+        "params.hash": hashlib.sha256(json.dumps(flatten(params), sort_keys=True, default=str).encode()).hexdigest()[:16],
+        "data.hash": _files_digest([Path(name) for name in DATA_LISTINGS if Path(name).is_file()]),
+    }
+    key = hashlib.sha256(json.dumps(digests, sort_keys=True).encode()).hexdigest()[:16]
+    return {PIPELINE_KEY_TAG: key, **digests}
 
 
 def stage_params(params: Params, keys: Sequence[str]) -> dict[str, str]:
@@ -168,6 +216,7 @@ class Tracker:
         self.resume_run_id = resume_run_id
         self.enabled = runtime.is_main
         self.run_id: str | None = None
+        self.pipeline_run_id: str | None = None
         self.uri: str | None = None
         self._client: MlflowClient | None = None  # None: not started, or MLflow off
         self._live: Live | None = None
@@ -208,12 +257,11 @@ class Tracker:
 
     def _without_mlflow(self, error: BaseException) -> None:
         """One warning, then MLflow is off for the rest of the stage."""
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         logger.warning(
             "warning: MLflow at %s is not usable (%s): %s goes on without it; its metrics are in %s",
-            self.uri, reason[:300], self.stage, self.metrics_dir,
+            self.uri, _first_line(error), self.stage, self.metrics_dir,
         )
-        self._client, self.run_id = None, None
+        self._client, self.run_id, self.pipeline_run_id = None, None, None
 
     def _mlflow(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """The MLflow client's `method(*args, **kwargs)`; None when MLflow is off or the call fails (-> off)."""
@@ -238,18 +286,18 @@ class Tracker:
             self._live.end()
         finally:
             self._mlflow("set_terminated", self.run_id, status)
+            if self.pipeline_run_id is not None:
+                self._mlflow("set_terminated", self.pipeline_run_id, status)
 
     def _open_run(self, uri: str) -> str:
         if self.resume_run_id is not None:
             run_id = self._reopen(self.resume_run_id, uri)
             if run_id is not None:
                 return run_id
-        experiment_id = self._experiment_id(uri)
-        tags = {STAGE_TAG: self.stage}
-        if commit := _git_commit():
-            tags[MLFLOW_GIT_COMMIT] = commit
-        if exp_name := os.environ.get("DVC_EXP_NAME"):
-            tags[DVC_EXPERIMENT_TAG] = exp_name
+        experiment_id = find_experiment(self._client, self.params.tracking.experiment, uri)
+        tags = run_tags(self.params)
+        self.pipeline_run_id = find_pipeline_run(self._client, experiment_id, self.params, tags, uri)
+        tags |= {STAGE_TAG: self.stage, MLFLOW_PARENT_RUN_ID: self.pipeline_run_id}
         run = self._client.create_run(experiment_id, run_name=self.stage, tags=tags)
         self._log_params(run.info.run_id, existing={})
         return run.info.run_id
@@ -261,15 +309,11 @@ class Tracker:
             logger.warning("MLflow run %s (from the checkpoint) is not in %s; starting a new run", run_id, uri)
             return None
         self._client.update_run(run_id, status="RUNNING")
+        self.pipeline_run_id = run.data.tags.get(MLFLOW_PARENT_RUN_ID)
+        if self.pipeline_run_id is not None:
+            self._client.update_run(self.pipeline_run_id, status="RUNNING")
         self._log_params(run_id, existing=run.data.params)
         return run_id
-
-    def _experiment_id(self, uri: str) -> str:
-        name = self.params.tracking.experiment
-        experiment = self._client.get_experiment_by_name(name)
-        if experiment is not None:
-            return experiment.experiment_id
-        return self._client.create_experiment(name, artifact_location=_default_artifact_location(uri))
 
     def _log_params(self, run_id: str, existing: Mapping[str, str]) -> None:
         current = stage_params(self.params, self.param_sections)
@@ -278,7 +322,7 @@ class Tracker:
         for key, value in current.items():
             if key in existing and existing[key] != value:
                 logger.warning("resumed run %s keeps %s=%s (now %s)", run_id, key, existing[key], value)
-        self._client.log_batch(run_id, params=[Param(key, value) for key, value in current.items() if key not in existing])
+        _log_param_batches(self._client, run_id, {key: value for key, value in current.items() if key not in existing})
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         """One MLflow batch per call, and one row per metric in the DVCLive history at `step`."""
@@ -319,6 +363,12 @@ class Tracker:
             self._live.log_metric(name, value, plot=False)
         self._live.make_summary()
 
+    def log_setup(self, numbers: Mapping[str, float]) -> None:
+        """Numbers that describe how the stage runs (effective_lr, global_batch, world_size): MLflow metrics at
+        step 0, which the UI plots and filters as numbers (tags are text); not results, so not in the DVC files."""
+        if self.enabled:
+            self._mlflow("log_batch", self.run_id, metrics=_mlflow_metrics(_plain_numbers(numbers), step=0))
+
     def log_artifact(self, path: str | os.PathLike[str], artifact_path: str | None = None) -> None:
         """Copy a file (or a directory's contents) into the run's artifacts, under `artifact_path` if given."""
         if self.enabled:
@@ -328,6 +378,117 @@ class Tracker:
     def set_tag(self, key: str, value: Any) -> None:
         if self.enabled:
             self._mlflow("set_tag", self.run_id, key, str(value))
+
+
+def _log_param_batches(client: MlflowClient, run_id: str, params: Mapping[str, str]) -> None:
+    items = [Param(key, value) for key, value in params.items()]
+    for start in range(0, len(items), MAX_PARAMS_PER_BATCH):
+        client.log_batch(run_id, params=items[start : start + MAX_PARAMS_PER_BATCH])
+
+
+def find_experiment(client: MlflowClient, name: str, uri: str) -> str:
+    experiment = client.get_experiment_by_name(name)
+    if experiment is not None:
+        return experiment.experiment_id
+    return client.create_experiment(name, artifact_location=_default_artifact_location(uri))
+
+
+def run_tags(params: Params) -> dict[str, str]:
+    """The tags every run gets: the pipeline's identity, the git state and the DVC experiment's name."""
+    tags = {**pipeline_identity(params), **_git_state()}
+    if exp_name := os.environ.get("DVC_EXP_NAME"):
+        tags[DVC_EXPERIMENT_TAG] = exp_name
+    return tags
+
+
+def find_pipeline_run(client: MlflowClient, experiment_id: str, params: Params, tags: dict[str, str], uri: str) -> str:
+    """The pipeline run of `tags[PIPELINE_KEY_TAG]`, created if there is none (module docstring), RUNNING."""
+    query = f"tags.`{PIPELINE_KEY_TAG}` = '{tags[PIPELINE_KEY_TAG]}' and tags.`{STAGE_TAG}` = '{PIPELINE_STAGE}'"
+
+    def oldest() -> str | None:
+        found = client.search_runs([experiment_id], query, order_by=["attributes.start_time ASC"], max_results=1)
+        return found[0].info.run_id if found else None
+
+    run_id = oldest()
+    if run_id is None:
+        name = f"{PIPELINE_STAGE} {tags.get(DVC_EXPERIMENT_TAG) or tags[PIPELINE_KEY_TAG][:8]}"
+        run_id = client.create_run(experiment_id, run_name=name, tags={**tags, STAGE_TAG: PIPELINE_STAGE}).info.run_id
+        _log_param_batches(client, run_id, {key: str(value) for key, value in flatten(params).items()})
+        if not uri.startswith("sqlite:///"):  # no lock against a server: the first one created wins
+            first = oldest()
+            if first != run_id:
+                client.delete_run(run_id)
+                run_id = first
+    client.update_run(run_id, status="RUNNING")
+    return run_id
+
+
+def outputs_digest(lock_entry: Mapping[str, Any]) -> str | None:
+    """A short digest of a dvc.lock stage entry's outputs (path and DVC hash of each); None without outputs."""
+    outs = sorted((out["path"], out.get("md5") or out.get("etag") or "") for out in lock_entry.get("outs", []))
+    if not outs:
+        return None
+    return hashlib.sha256(json.dumps(outs).encode()).hexdigest()[:16]
+
+
+def record_lineage(params: Params, lock: Mapping[str, Any]) -> list[str]:
+    """Complete this pipeline's run (module docstring, "Lineage") from dvc.lock's contents; returns one line per
+    stage linked to a cached result. MLflow unusable: one warning, nothing recorded."""
+    uri = tracking_uri()
+    try:
+        with _store_lock(uri):
+            _create_missing_sqlite_store(uri)
+            client = MlflowClient(tracking_uri=uri)
+            experiment_id = find_experiment(client, params.tracking.experiment, uri)
+            tags = run_tags(params)
+            pipeline_id = find_pipeline_run(client, experiment_id, params, tags, uri)
+        lines = _link_stages(client, experiment_id, pipeline_id, tags, lock)
+        client.set_terminated(pipeline_id, "FINISHED")
+    except Exception as error:
+        logger.warning("warning: MLflow at %s is not usable (%s): no lineage recorded", uri, _first_line(error))
+        return []
+    return lines
+
+
+def _link_stages(
+    client: MlflowClient, experiment_id: str, pipeline_id: str, tags: dict[str, str], lock: Mapping[str, Any]
+) -> list[str]:
+    children = client.search_runs(
+        [experiment_id], f"tags.`{MLFLOW_PARENT_RUN_ID}` = '{pipeline_id}'", order_by=["attributes.start_time ASC"]
+    )
+    latest = {run.data.tags.get(STAGE_TAG): run for run in children}  # a stage's newest run in this pipeline
+    lines = []
+    for stage, entry in lock.get("stages", {}).items():
+        digest = outputs_digest(entry)
+        if digest is None:
+            continue
+        own = latest.get(stage)
+        if own is not None:
+            if own.data.tags.get(OUTPUTS_TAG) != digest and CACHED_FROM_TAG not in own.data.tags:
+                client.set_tag(own.info.run_id, OUTPUTS_TAG, digest)
+            continue
+        query = f"tags.`{OUTPUTS_TAG}` = '{digest}' and tags.`{STAGE_TAG}` = '{stage}'"
+        producers = client.search_runs([experiment_id], query, order_by=["attributes.start_time DESC"], max_results=1)
+        if not producers:
+            continue  # its stage has no run (plain-python stages), or ran before lineage was recorded
+        producer = producers[0]
+        link = client.create_run(
+            experiment_id, run_name=f"{stage} (cached)",
+            tags={**tags, STAGE_TAG: stage, MLFLOW_PARENT_RUN_ID: pipeline_id, OUTPUTS_TAG: digest,
+                  CACHED_FROM_TAG: producer.info.run_id},
+        ).info.run_id
+        final = _mlflow_metrics(producer.data.metrics, step=0)
+        for start in range(0, len(final), MAX_PARAMS_PER_BATCH):
+            client.log_batch(link, metrics=final[start : start + MAX_PARAMS_PER_BATCH])
+        client.set_terminated(link, "FINISHED")
+        producer_pipeline = producer.data.tags.get(MLFLOW_PARENT_RUN_ID, "none")
+        lines.append(f"{stage}: cached, made by run {producer.info.run_id} (pipeline run {producer_pipeline})")
+    return lines
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0][:300] if text else type(error).__name__
 
 
 def _plain_numbers(metrics: Mapping[str, Any]) -> dict[str, int | float]:

@@ -175,8 +175,7 @@ class Trainer:
                 f"lr {self.lr:.4g} = lr_base {cfg.optimizer.lr_base:g} x global batch {self.global_batch} / 1024 "
                 f"({cfg.batch_size} per device x {cfg.accum_steps} accumulated x {world} ranks)"
             )
-            tracker.set_tag("effective_lr", self.lr)
-            tracker.set_tag("global_batch", self.global_batch)
+            tracker.log_setup({"effective_lr": self.lr, "global_batch": self.global_batch, "world_size": world})
             for epoch in range(self.start_epoch, self.cfg.epochs):
                 metrics = self._train_epoch(epoch) | self._validate()
                 self.save_checkpoint(epoch + 1, metrics, tracker.run_id)

@@ -99,7 +99,9 @@ def test_run_holds_params_metrics_history_tags_and_artifacts(workdir, store, req
     run = client(store).get_run(tracker.run_id)
     assert run.info.status == "FINISHED"
     assert run.info.run_name == "pretrain"
-    assert client(store).get_experiment(run.info.experiment_id).name == request.node.name
+    experiment = client(store).get_experiment(run.info.experiment_id)
+    assert experiment.name == request.node.name
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"  # the UI opens on training runs
     assert run.data.tags[STAGE_TAG] == "pretrain"
     assert run.data.tags[MLFLOW_GIT_COMMIT] == git("rev-parse", "HEAD", cwd=workdir)
     assert run.data.tags[DVC_EXPERIMENT_TAG] == "lucky-lamb"
@@ -262,6 +264,12 @@ def test_lineage_without_a_usable_store_is_one_warning(workdir, request, monkeyp
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "bogus://nowhere")
     assert record_lineage(params_for(request), lock_with({"teacher": "a" * 32})) == []
     assert caplog.text.count("is not usable (") == 1 and "no lineage recorded" in caplog.text
+
+
+def test_an_experiment_from_an_older_store_gets_the_training_kind(workdir, store, request):
+    experiment_id = client(store).create_experiment(request.node.name)  # as stores made before the tag have it
+    open_and_close(request, "convert", params_for(request), workdir)
+    assert client(store).get_experiment(experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"
 
 
 def test_metrics_json_is_replaced_whole_or_not_at_all(workdir, request):

@@ -67,6 +67,10 @@ PIPELINE_STAGE = "pipeline"
 # Lineage (`record_lineage`): a run's outputs as DVC hashed them, and a cached stage's link to the run that made them.
 OUTPUTS_TAG = "dvc.outs"
 CACHED_FROM_TAG = "cached_from"
+# MLflow 3's UI opens an experiment without this tag on its GenAI view (traces, "No data"); with it, on the
+# training runs. The UI's own values are this and "genai_development"; MLflow's Python API has no constant.
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+TRAINING_KIND = "custom_model_development"
 MAX_PARAMS_PER_BATCH = 100  # MLflow's limit for one log_batch
 # What `pipeline_identity` hashes, relative to the directory a stage runs in (the repo, or DVC's copy of it).
 CODE_DIRS = ("src", "stages")
@@ -387,10 +391,15 @@ def _log_param_batches(client: MlflowClient, run_id: str, params: Mapping[str, s
 
 
 def find_experiment(client: MlflowClient, name: str, uri: str) -> str:
+    """The experiment's id, created if missing, tagged as model training (EXPERIMENT_KIND_TAG)."""
     experiment = client.get_experiment_by_name(name)
-    if experiment is not None:
-        return experiment.experiment_id
-    return client.create_experiment(name, artifact_location=_default_artifact_location(uri))
+    if experiment is None:
+        return client.create_experiment(
+            name, artifact_location=_default_artifact_location(uri), tags={EXPERIMENT_KIND_TAG: TRAINING_KIND}
+        )
+    if experiment.tags.get(EXPERIMENT_KIND_TAG) != TRAINING_KIND:  # a store from before this tag
+        client.set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND_TAG, TRAINING_KIND)
+    return experiment.experiment_id
 
 
 def run_tags(params: Params) -> dict[str, str]:

@@ -106,6 +106,10 @@ def test_repro_reruns_exactly_what_a_params_or_code_change_affects(project):
         made = project.mlflow().get_run(linked.data.tags["cached_from"])
         assert made.data.tags["mlflow.parentRunId"] == first.info.run_id and made.data.tags["stage"] == stage
         assert linked.data.metrics.get("top1") == made.data.metrics.get("top1")
+    # The fine-tuned model's evaluation names the run that wrote the file it read.
+    assert stage_run(project, second, "evaluate@finetune").data.tags["model.made_by"] == (
+        stage_run(project, second, "finetune").info.run_id
+    )
 
     project.edit_params({"pretrain": {"label_smoothing": 0.0}})  # only pretrain.*: teacher and labels stay cached
     assert project.repro() == {*ALWAYS, "pretrain", "finetune", *EVALUATIONS}

@@ -272,6 +272,19 @@ def test_an_experiment_from_an_older_store_gets_the_training_kind(workdir, store
     assert client(store).get_experiment(experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"
 
 
+def test_an_evaluation_names_the_run_that_wrote_its_model_file(workdir, store, request):
+    model_file = workdir / "model.pt"
+    model_file.write_bytes(b"weights")
+    params = params_for(request)
+    with Tracker("pretrain", params, cpu_runtime(), metrics_dir=workdir / "p", param_sections=("seed",)) as writer:
+        writer.tag_written_model(model_file)
+    with Tracker("evaluate@pretrain", params, cpu_runtime(), metrics_dir=workdir / "e", param_sections=("seed",)) as evaluation:
+        evaluation.tag_evaluated_model(model_file)
+    tags = client(store).get_run(evaluation.run_id).data.tags
+    assert tags["model.made_by"] == writer.run_id
+    assert tags["evaluated.sha256"] == client(store).get_run(writer.run_id).data.tags["model.sha256"]
+
+
 def test_metrics_json_is_replaced_whole_or_not_at_all(workdir, request):
     """DVCLive rewrites metrics.json in place; a kill in the middle would leave JSON that Live(resume=True)
     cannot read. Ours writes a temporary file and renames it: a failed write leaves the previous file."""

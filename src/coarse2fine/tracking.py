@@ -54,7 +54,7 @@ from mlflow.utils.mlflow_tags import MLFLOW_GIT_COMMIT, MLFLOW_PARENT_RUN_ID
 
 from coarse2fine.config import Params, flatten
 from coarse2fine.distributed import Runtime
-from coarse2fine.files import atomic_path
+from coarse2fine.files import atomic_path, file_sha256
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +67,10 @@ PIPELINE_STAGE = "pipeline"
 # Lineage (`record_lineage`): a run's outputs as DVC hashed them, and a cached stage's link to the run that made them.
 OUTPUTS_TAG = "dvc.outs"
 CACHED_FROM_TAG = "cached_from"
+# A model file's sha256 on the run that wrote it, and on an evaluation the file it read and the run that wrote it.
+MODEL_WRITTEN_TAG = "model.sha256"
+MODEL_EVALUATED_TAG = "evaluated.sha256"
+MODEL_MADE_BY_TAG = "model.made_by"
 # MLflow 3's UI opens an experiment without this tag on its GenAI view (traces, "No data"); with it, on the
 # training runs. The UI's own values are this and "genai_development"; MLflow's Python API has no constant.
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
@@ -372,6 +376,25 @@ class Tracker:
         step 0, which the UI plots and filters as numbers (tags are text); not results, so not in the DVC files."""
         if self.enabled:
             self._mlflow("log_batch", self.run_id, metrics=_mlflow_metrics(_plain_numbers(numbers), step=0))
+
+    def tag_written_model(self, path: str | os.PathLike[str]) -> None:
+        """The model file this run wrote, by sha256: an evaluation of it finds this run (`tag_evaluated_model`)."""
+        if self.enabled:
+            self._mlflow("set_tag", self.run_id, MODEL_WRITTEN_TAG, file_sha256(path))
+
+    def tag_evaluated_model(self, path: str | os.PathLike[str]) -> None:
+        """The model file this run evaluates, by sha256, and the newest run that wrote that file (if any)."""
+        if not self.enabled or self._client is None:
+            return
+        digest = file_sha256(path)
+        self._mlflow("set_tag", self.run_id, MODEL_EVALUATED_TAG, digest)
+        run = self._mlflow("get_run", self.run_id)
+        writers = run and self._mlflow(
+            "search_runs", [run.info.experiment_id], f"tags.`{MODEL_WRITTEN_TAG}` = '{digest}'",
+            order_by=["attributes.start_time DESC"], max_results=1,
+        )
+        if writers:
+            self._mlflow("set_tag", self.run_id, MODEL_MADE_BY_TAG, writers[0].info.run_id)
 
     def log_artifact(self, path: str | os.PathLike[str], artifact_path: str | None = None) -> None:
         """Copy a file (or a directory's contents) into the run's artifacts, under `artifact_path` if given."""

@@ -190,6 +190,7 @@ class Trainer:
                     self.model_file, self.eval_model,
                     model_cfg=self.model_cfg, img_size=self.cfg.img_size, classes=self.classes, stage=self.stage,
                 )
+                tracker.tag_written_model(self.model_file)
             tracker.log_summary({"top1": metrics["val_top1"], "top5": metrics["val_top5"]})
         return metrics
 

@@ -9,9 +9,13 @@ export MLFLOW_DISABLE_TELEMETRY := true
 export DO_NOT_TRACK := 1
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: setup repro test bench clean-venv
+# `dvc plots show` offline: its page template with vega, vega-lite and vega-embed inlined (.dvc/config names it).
+PLOTS_TEMPLATE := .dvc/plots_offline.html
+NPM_CI := npm ci --prefix docs --ignore-scripts --omit=optional --no-audit --no-fund
 
-setup: $(STAMP)
+.PHONY: setup repro test bench screenshot clean-venv
+
+setup: $(STAMP) $(PLOTS_TEMPLATE)
 
 $(STAMP): pyproject.toml requirements.lock
 	test -x $(BIN)/python || python3 -m venv $(VENV)
@@ -19,6 +23,10 @@ $(STAMP): pyproject.toml requirements.lock
 	  | { grep -v "is ignored: it is neither a file nor a directory" || true; }
 	$(BIN)/python -c "import coarse2fine, torch, timm, nvidia.dali, tfrecord, dvc, mlflow"
 	touch $(STAMP)
+
+$(PLOTS_TEMPLATE): docs/package-lock.json docs/plots_template.mjs
+	$(NPM_CI) --omit=dev
+	node docs/plots_template.mjs $@
 
 repro: setup
 	$(BIN)/dvc repro
@@ -29,6 +37,23 @@ test: setup
 # e.g. make bench BENCH_ARGS="--timm-repo ../pytorch-image-models" (see python bench/run_all.py --help)
 bench: setup
 	$(BIN)/python bench/run_all.py $(BENCH_ARGS)
+
+# The README's picture of the MLflow UI (docs/mlflow-runs.png) from ./mlflow.db, which needs two pipeline runs first
+# (e.g. make repro, then dvc exp run -S finetune.optimizer.lr_base=3.2e-3). Debian's Chromium, driven by playwright-core.
+CHROMIUM := /usr/bin/chromium
+EXPERIMENT = $(shell $(BIN)/python -c "import yaml; print(yaml.safe_load(open('params.yaml'))['tracking']['experiment'])")
+
+screenshot: setup $(CHROMIUM) docs/node_modules/.playwright
+	CHROMIUM=$(CHROMIUM) MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false node docs/screenshot.mjs "$(EXPERIMENT)" docs/mlflow-runs.png
+
+$(CHROMIUM):
+	@test "$$(id -u)" = 0 || { echo "make screenshot needs Chromium: run 'sudo apt-get install -y chromium', then make screenshot again" >&2; exit 1; }
+	apt-get update -qq && apt-get install -y -qq chromium
+
+# playwright-core (docs/package.json's devDependencies; no browser download) beside setup's vega packages.
+docs/node_modules/.playwright: docs/package-lock.json
+	$(NPM_CI) --include=dev
+	touch $@
 
 clean-venv:
 	rm -rf $(VENV)

@@ -43,6 +43,7 @@ def main(params: Params, args: argparse.Namespace) -> None:
             tracker.set_tag("model_file", args.model)
             tracker.set_tag("model_stage", payload["stage"])
             tracker.tag_evaluated_model(args.model)
+            tracker.log_records(args.records, "val")
             result = evaluate(model, _val_loader(params, cfg, args.records, own_size, runtime), runtime, len(classes))
             summary = result.summary() | {"img_size": own_size}
             lines = [f"{stage}: at {own_size} px (its own): top-1 {result.top1:.2f} %, top-5 {result.top5:.2f} %, "

@@ -12,7 +12,7 @@ from pathlib import Path
 from coarse2fine import cli, distributed, models, provenance, train
 from coarse2fine.config import Params
 from coarse2fine.data import records
-from coarse2fine.data.loaders import IMAGE_MEAN, IMAGE_STD, build_loader
+from coarse2fine.data.loaders import IMAGE_MEAN, IMAGE_STD, build_loader, eval_transform
 from coarse2fine.evaluate import evaluate
 from coarse2fine.tracking import Tracker
 
@@ -36,18 +36,19 @@ def main(params: Params, args: argparse.Namespace) -> None:
         model_file = Path(args.out) / "model.pt"
         if cfg.mode == "import":
             Path(args.checkpoint_dir).mkdir(parents=True, exist_ok=True)  # a DVC output either way; nothing to resume
-            import_teacher(params, model, classes, loaders["val"], runtime, model_file, Path(args.metrics))
+            import_teacher(params, model, classes, args.records, loaders["val"], runtime, model_file, Path(args.metrics))
             return
         train.Trainer(
             stage="teacher", params=params, cfg=cfg, model=model, classes=classes, model_cfg=cfg.model,
             train_loader=loaders["train"], val_loader=loaders["val"], runtime=runtime,
             param_sections=PARAM_SECTIONS,
             provenance={"data_digest": records.manifest_digest(args.records), **provenance.fingerprint(__file__)},
-            checkpoint_dir=Path(args.checkpoint_dir), model_file=model_file, metrics_dir=Path(args.metrics),
+            records_dir=Path(args.records), checkpoint_dir=Path(args.checkpoint_dir), model_file=model_file,
+            metrics_dir=Path(args.metrics),
         ).fit()
 
 
-def import_teacher(params, model, classes, val_loader, runtime, model_file: Path, metrics_dir: Path) -> None:
+def import_teacher(params, model, classes, records_dir, val_loader, runtime, model_file: Path, metrics_dir: Path) -> None:
     cfg = params.teacher
     models.load_weights(model, cfg.weights, "teacher.weights")
     expected = getattr(model, "pretrained_cfg", {})
@@ -59,15 +60,18 @@ def import_teacher(params, model, classes, val_loader, runtime, model_file: Path
         )
     model = model.to(runtime.device).eval()
     with Tracker("teacher", params, runtime, metrics_dir=metrics_dir, param_sections=PARAM_SECTIONS) as tracker:
+        tracker.log_records(records_dir, "val")
         result = evaluate(model, val_loader, runtime, len(classes), cfg.precision)
         tracker.set_tag("weights_file", cfg.weights)
         # One point of the curves a trained teacher logs per epoch, so both modes fill the same metrics and plots.
         tracker.log_metrics({"val_top1": result.top1, "val_top5": result.top5, "val_loss": result.loss}, step=0)
-        tracker.log_summary({"top1": result.top1, "top5": result.top5})
         if runtime.is_main:
-            models.save_model_file(
-                model_file, model, model_cfg=cfg.model, img_size=cfg.img_size, classes=classes, stage="teacher"
+            card = models.save_model_file(
+                model_file, model, model_cfg=cfg.model, img_size=cfg.img_size, classes=classes, stage="teacher",
+                eval_transform=eval_transform(cfg.img_size, cfg.val_crop_pct, params.augment.interpolation),
             )
+            tracker.tag_written_model(model_file)
+            tracker.log_model(model, card)
             print(f"teacher: imported {cfg.weights}: val top-1 {result.top1:.2f} %, top-5 {result.top5:.2f} %", flush=True)
 
 

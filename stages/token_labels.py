@@ -43,6 +43,7 @@ def main(params: Params, args: argparse.Namespace) -> None:
             "inputs_digest": hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest(),
         }
         with Tracker("token_labels", params, runtime, metrics_dir=args.metrics, param_sections=PARAM_SECTIONS) as tracker:
+            tracker.log_records(args.records, "train")
             result = generate(
                 dense_head(teacher), args.records, out_dir=args.out, work_dir=args.work_dir,
                 view=View(cfg.teacher_view, info["img_size"], params.augment.interpolation),

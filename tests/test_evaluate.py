@@ -255,7 +255,11 @@ def test_stage_under_torchrun_counts_every_sample_exactly_once(odd_records, mode
         "n": ODD_VAL_RECORDS, "img_size": IMG_SIZE,
     }
     assert run.data.params["evaluate.batch_size"] == "62"
-    assert sorted(item.path for item in client.list_artifacts(run.info.run_id)) == ["classes.json", "confusion_matrix.png", "per_class.json"]
+    assert sorted(item.path for item in client.list_artifacts(run.info.run_id)) == [
+        "classes.json", "confusion_matrix.png", "params.yaml", "per_class.json",
+    ]
+    (dataset,) = run.inputs.dataset_inputs  # the val records it evaluated, as the UI's Dataset column shows them
+    assert (dataset.dataset.name, dataset.tags[0].value) == ("digits val (subset 0.3)", "val")
 
 
 def load_stage_module():

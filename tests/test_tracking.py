@@ -21,7 +21,10 @@ from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 from mlflow.utils.mlflow_tags import MLFLOW_GIT_COMMIT, MLFLOW_PARENT_RUN_ID
 
+from coarse2fine import models
 from coarse2fine.config import flatten, parse_params
+from coarse2fine.data.loaders import eval_transform
+from coarse2fine.errors import UserError
 from coarse2fine.distributed import Runtime
 from coarse2fine.tracking import (
     DVC_EXPERIMENT_TAG,
@@ -30,6 +33,7 @@ from coarse2fine.tracking import (
     PIPELINE_STAGE,
     STAGE_TAG,
     Tracker,
+    load_logged_model,
     outputs_digest,
     record_lineage,
     stage_params,
@@ -61,7 +65,8 @@ def client(store: Path) -> MlflowClient:
 
 
 def params_for(request: pytest.FixtureRequest, **sections):
-    return make_params(tracking={"experiment": request.node.name}, **sections)
+    """Params whose experiment (and registered model) are named after the test."""
+    return make_params(tracking={"experiment": request.node.name, "registered_model": request.node.name}, **sections)
 
 
 def history(store: Path, run_id: str, key: str) -> list[tuple[int, float]]:
@@ -107,6 +112,7 @@ def test_run_holds_params_metrics_history_tags_and_artifacts(workdir, store, req
     assert run.data.tags[DVC_EXPERIMENT_TAG] == "lucky-lamb"
     assert run.data.tags[GIT_DIRTY_TAG] == "false"
     assert run.data.tags["weights_file"] == "teacher.pt"
+    assert run.data.tags["mlflow.source.name"] == sys.argv[0]  # the stage's script, under torchrun
     pipeline = client(store).get_run(run.data.tags[MLFLOW_PARENT_RUN_ID])
     assert pipeline.info.run_name == "pipeline lucky-lamb" and pipeline.info.status == "FINISHED"
     assert pipeline.data.tags[PIPELINE_KEY_TAG] == run.data.tags[PIPELINE_KEY_TAG]
@@ -126,7 +132,9 @@ def test_run_holds_params_metrics_history_tags_and_artifacts(workdir, store, req
     assert run.data.metrics["global_batch"] == 64 and run.data.metrics["effective_lr"] == 1e-3  # numbers, not tags
 
     artifacts = client(store).list_artifacts(tracker.run_id)
-    assert sorted(item.path for item in artifacts) == ["extra", "notes.txt"]
+    assert sorted(item.path for item in artifacts) == ["extra", "notes.txt", "params.yaml"]
+    resolved = client(store).download_artifacts(tracker.run_id, "params.yaml", str(workdir / "downloaded"))
+    assert parse_params(yaml.safe_load(Path(resolved).read_text())) == params  # the params as the run read them
     assert [item.path for item in client(store).list_artifacts(tracker.run_id, "extra")] == ["extra/a.json"]
     # Artifacts sit next to the database, not in ./mlruns of whatever directory the stage ran in.
     assert run.info.artifact_uri.startswith((store.parent / "mlruns").as_uri())
@@ -135,7 +143,7 @@ def test_run_holds_params_metrics_history_tags_and_artifacts(workdir, store, req
     summary = json.loads((metrics_dir / "metrics.json").read_text())
     assert summary == {"train_loss": pytest.approx(1 / 3), "val_top1": 20.0, "step": 2, "top1": 97.5, "n": 108}
     # DVCLive wrote nothing but its files under metrics_dir: no dvc.yaml, no report, no .dvc/.
-    assert sorted(path.name for path in workdir.iterdir()) == [".git", "bundle", "metrics", "notes.txt"]
+    assert sorted(path.name for path in workdir.iterdir()) == [".git", "bundle", "downloaded", "metrics", "notes.txt"]
     assert sorted(path.name for path in metrics_dir.iterdir()) == ["metrics.json", "plots"]
 
 
@@ -258,6 +266,50 @@ def test_lineage_links_each_cached_stage_to_the_run_that_made_its_outputs(workdi
         ("pretrain", None), ("teacher (cached)", made["teacher"].run_id),
     ]
     assert client(store).get_run(rerun.pipeline_run_id).info.status == "FINISHED"
+
+
+def test_a_training_run_holds_its_datasets_curves_and_model_and_the_result_is_registered(
+    workdir, store, request, digits_records
+):
+    params = params_for(request)
+    model = models.build_model(params.model, 10, 16, mix_token=True)  # as pretrain builds it: eval ignores MixToken
+    with Tracker("finetune", params, cpu_runtime(), metrics_dir=workdir / "m", param_sections=("model",)) as tracker:
+        for split in ("train", "val"):
+            tracker.log_records(digits_records, split)
+        for epoch in range(3):
+            tracker.log_metrics({"train_loss": 1 / (epoch + 1), "val_top1": 30.0 * epoch, "lr": 1e-3}, step=epoch)
+        card = models.save_model_file(
+            workdir / "model.pt", model, model_cfg=params.model, img_size=16, classes=list("0123456789"),
+            stage="finetune", eval_transform=eval_transform(16, 0.875, "bicubic"),
+        )
+        tracker.log_model(model, card)
+        tracker.log_curves()
+    run = client(store).get_run(tracker.run_id)
+    assert run.info.status == "FINISHED"  # logging the model through MLflow's fluent API did not end the run early
+    datasets = {entry.tags[0].value: entry.dataset for entry in run.inputs.dataset_inputs}
+    assert {context: dataset.name for context, dataset in datasets.items()} == {
+        "train": "digits train (subset 0.3)", "val": "digits val (subset 0.3)",
+    }
+    assert json.loads(datasets["val"].profile)["num_rows"] == 108
+    assert "curves.png" in {item.path for item in client(store).list_artifacts(tracker.run_id)}
+
+    # The pipeline's last stage registers the finetune run's model and moves the alias to it, once per model.
+    name, lock = params.tracking.registered_model, lock_with({"finetune": "e" * 32})
+    for _ in range(2):
+        assert record_lineage(params, lock) == [
+            f"finetune: model registered as models:/{name}/1, alias current (models:/{name}@current)"
+        ]
+    (version,) = client(store).search_model_versions(f"name = '{name}'")
+    assert (version.run_id, version.source) == (tracker.run_id, f"models:/{run.data.tags['model.id']}")
+    assert client(store).get_model_version_by_alias(name, "current").version == version.version
+
+    loaded, loaded_card = load_logged_model(f"models:/{name}@current")
+    images = torch.randn(5, 3, 16, 16)  # another batch size than the example it was exported with
+    with torch.inference_mode():
+        torch.testing.assert_close(loaded(images), model.eval()(images))
+    assert loaded_card["classes"] == list("0123456789") and loaded_card["eval_transform"]["crop_pct"] == 0.875
+    with pytest.raises(UserError, match="@nowhere"):
+        load_logged_model(f"models:/{name}@nowhere")
 
 
 def test_lineage_without_a_usable_store_is_one_warning(workdir, request, monkeypatch, caplog):

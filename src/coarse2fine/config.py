@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo, field_validator, model_validator
 
 from coarse2fine.errors import UserError
 
@@ -349,6 +349,16 @@ EVALUATED_MODELS = ("pretrain", "finetune")
 
 class Tracking(Section):
     experiment: str = Field("coarse2fine", min_length=1)
+    # The MLflow registry entry of the pipeline's result (the fine-tuned model) and the alias moved to each new one.
+    registered_model: str = Field("coarse2fine", min_length=1)
+    model_alias: str = Field("current", pattern=r"^[A-Za-z_][A-Za-z0-9_-]*$")
+
+    @field_validator("model_alias")
+    @classmethod
+    def _not_reserved(cls, alias: str) -> str:
+        if alias.lower() == "latest" or re.fullmatch(r"v\d+", alias.lower()):
+            raise ValueError(f"{alias!r} is reserved by MLflow's registry (latest, v<number>); e.g. current")
+        return alias
 
 
 class Params(Section):

@@ -207,17 +207,22 @@ MODEL_FILE_KEYS = ("model", "model_cfg", "img_size", "classes", "stage")
 
 
 def save_model_file(
-    path: str | Path, model: nn.Module, *, model_cfg: Model, img_size: int, classes: Sequence[str], stage: str
-) -> None:
-    """Write the final model file (a plain dict, loadable with weights_only=True) atomically."""
-    payload = {
-        "model": model.state_dict(),
+    path: str | Path, model: nn.Module, *, model_cfg: Model, img_size: int, classes: Sequence[str], stage: str,
+    eval_transform: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Write the final model file (a plain dict, loadable with weights_only=True) atomically; return its fields
+    other than the weights. `eval_transform`: how images are preprocessed for it (data.loaders.eval_transform);
+    files written before it was recorded lack the key."""
+    card = {
         "model_cfg": flatten(model_cfg),  # tuples as lists
         "img_size": img_size,
         "classes": list(classes),
         "stage": stage,
     }
-    atomic_save(payload, path)
+    if eval_transform is not None:
+        card["eval_transform"] = eval_transform
+    atomic_save({"model": model.state_dict(), **card}, path)
+    return card
 
 
 def read_model_file(path: str | Path, device: torch.device | str = "cpu") -> dict[str, Any]:

@@ -22,12 +22,11 @@ from typing import Any, Iterable, Iterator, Sequence
 import torch
 from PIL import Image, UnidentifiedImageError
 from torch import nn
-from torchvision.transforms import InterpolationMode, v2
 
 from coarse2fine import cli, distributed, models
-from coarse2fine.data.convert import DECODE_ERRORS, _on_white_rgb
-from coarse2fine.data.loaders import IMAGE_MEAN, IMAGE_STD, eval_transform, resized_short_side
-from coarse2fine.data.torch_pipeline import to_normalised_tensor
+from coarse2fine.data.convert import DECODE_ERRORS, on_white_rgb
+from coarse2fine.data.loaders import IMAGE_MEAN, IMAGE_STD, eval_transform
+from coarse2fine.data.torch_pipeline import to_normalised_tensor, val_resize_and_crop
 from coarse2fine.errors import UserError
 from coarse2fine.evaluate import TOP_K
 from coarse2fine.tracking import load_logged_model
@@ -57,16 +56,7 @@ class EvalTransform:
                 f"{model_ref}: normalises with mean {spec['mean']}, std {spec['std']}; this project's loaders only "
                 f"with {list(IMAGE_MEAN)}, {list(IMAGE_STD)}"
             )
-        self.resize_and_crop = v2.Compose(
-            [
-                v2.Resize(
-                    resized_short_side(spec["img_size"], spec["crop_pct"]),
-                    interpolation=InterpolationMode[spec["interpolation"].upper()],
-                    antialias=True,
-                ),
-                v2.CenterCrop(spec["img_size"]),
-            ]
-        )
+        self.resize_and_crop = val_resize_and_crop(spec["img_size"], spec["crop_pct"], spec["interpolation"])
 
     def __call__(self, image: Image.Image) -> torch.Tensor:
         return to_normalised_tensor(self.resize_and_crop(image))
@@ -136,7 +126,7 @@ def open_rgb(path: Path) -> Image.Image:
     try:
         with file, Image.open(file) as image:
             image.load()  # Image.open reads only the header: decode everything so truncation shows here
-            return _on_white_rgb(image)
+            return on_white_rgb(image)
     except UnidentifiedImageError:
         raise UnreadableImage("not an image PIL can read") from None
     except DECODE_ERRORS as error:

@@ -1,13 +1,18 @@
-"""The coarse-to-fine comparison: the evaluations of the pre-trained and the fine-tuned model side by side.
+"""Reports: the coarse-to-fine comparison (the evaluations of the pre-trained and the fine-tuned model side by
+side) and a training run's curves as one image.
 
 Plain Python (no torch): the `compare` stage runs it on the evaluate stage's metrics files.
 """
 
 from __future__ import annotations
 
+import csv
 import json
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 
 # What each evaluation contributes to the comparison: its resolution and accuracies (at every extra size too).
@@ -41,3 +46,32 @@ def markdown_table(evaluations: Mapping[str, Mapping[str, Any]]) -> str:
 def read_evaluations(files: Mapping[str, Path]) -> dict[str, dict[str, Any]]:
     return {name: json.loads(Path(path).read_text(encoding="utf-8")) for name, path in files.items()}
 
+
+
+# The panels of a training run's curves: which metric histories each one plots (by name, as the trainer logs them).
+CURVE_PANELS = {"loss": ("train_loss", "val_loss"), "accuracy (%)": ("val_top1", "val_top5"), "learning rate": ("lr",)}
+
+
+def curves_figure(history_dir: Path, title: str) -> Figure | None:
+    """Loss, accuracy and learning rate per epoch from DVCLive's history files (`<history_dir>/<name>.tsv`, columns
+    step and <name>); None when there is none of them."""
+    from matplotlib.figure import Figure  # about 1 s, paid only by the runs that draw
+
+    histories = {}
+    for path in sorted(Path(history_dir).glob("*.tsv")):
+        with open(path, encoding="utf-8", newline="") as file:
+            rows = list(csv.DictReader(file, delimiter="\t"))
+        histories[path.stem] = ([int(row["step"]) + 1 for row in rows], [float(row[path.stem]) for row in rows])
+    panels = {label: [name for name in names if name in histories] for label, names in CURVE_PANELS.items()}
+    panels = {label: names for label, names in panels.items() if names}
+    if not panels:
+        return None
+    figure = Figure(figsize=(4 * len(panels), 3.2), layout="constrained")
+    figure.suptitle(title)
+    for axes, (label, names) in zip(figure.subplots(1, len(panels), squeeze=False)[0], panels.items()):
+        for name in names:
+            axes.plot(*histories[name], label=name, marker="." if len(histories[name][0]) < 30 else None)
+        axes.set(xlabel="epoch", title=label)
+        axes.grid(alpha=0.3)
+        axes.legend()
+    return figure

@@ -69,7 +69,7 @@ def train_student(
         train.Trainer(
             stage=stage, params=params, cfg=cfg, model=model, classes=classes,
             train_loader=loaders["train"], val_loader=loaders["val"], runtime=runtime,
-            param_sections=param_sections, provenance=inputs,
+            param_sections=param_sections, provenance=inputs, records_dir=paths.records,
             checkpoint_dir=paths.checkpoint_dir, model_file=paths.model_file, metrics_dir=paths.metrics_dir,
             objective=objective,
         ).fit()

@@ -22,7 +22,9 @@ The pipeline run holds every param; it is RUNNING while one of its stages runs a
 Lineage. A stage DVC skipped has no run of its own in the new pipeline run. The last stage of the pipeline
 (stages/lineage.py, every `dvc repro`) calls `record_lineage` with dvc.lock: each stage run of this pipeline is
 tagged with its outputs' DVC hashes (`dvc.outs`), and each stage without one gets a "<stage> (cached)" run, tagged
-`cached_from` = the run whose `dvc.outs` match the outputs DVC kept, with that run's final metrics.
+`cached_from` = the run whose `dvc.outs` match the outputs DVC kept, with that run's params and metric histories.
+The pipeline's result, the model its finetune run (or the run a cached finetune links to) logged, is registered
+under params tracking.registered_model and the alias tracking.model_alias is moved to it (`register_result`).
 
 MLflow is a convenience, DVC's files are the record: if the store cannot be reached or written (a bad URI, a
 server that is down, a read-only database), the stage prints one warning and goes on without MLflow, and its
@@ -33,27 +35,40 @@ metrics still land in the DVCLive files. Against a server, MLflow's HTTP retries
 from __future__ import annotations
 
 import contextlib
+import copy
 import csv
 import hashlib
 import json
 import logging
 import os
 import subprocess
+import sys
 import time
 from collections.abc import Mapping, Sequence
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
+import yaml
 from dvclive import Live
 from dvclive.plots import Metric as LiveMetric, NumpyEncoder
 from filelock import FileLock
 from mlflow import MlflowClient
-from mlflow.entities import Metric, Param
+from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, Run
 from mlflow.exceptions import MlflowException
-from mlflow.utils.mlflow_tags import MLFLOW_GIT_COMMIT, MLFLOW_PARENT_RUN_ID
+from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+from mlflow.utils.mlflow_tags import (
+    MLFLOW_DATASET_CONTEXT, MLFLOW_GIT_COMMIT, MLFLOW_PARENT_RUN_ID, MLFLOW_SOURCE_NAME, MLFLOW_SOURCE_TYPE,
+)
+from torch import nn
 
+from coarse2fine import report
 from coarse2fine.config import Params, flatten
+from coarse2fine.data import records
 from coarse2fine.distributed import Runtime
+from coarse2fine.errors import UserError
 from coarse2fine.files import atomic_path, file_sha256
 
 logger = logging.getLogger(__name__)
@@ -71,14 +86,21 @@ CACHED_FROM_TAG = "cached_from"
 MODEL_WRITTEN_TAG = "model.sha256"
 MODEL_EVALUATED_TAG = "evaluated.sha256"
 MODEL_MADE_BY_TAG = "model.made_by"
+# The MLflow model a training run logged (`Tracker.log_model`), and on a pipeline run the registered version of its
+# result (`register_result`).
+MODEL_ID_TAG = "model.id"
+REGISTERED_TAG = "model.registered"
+# The stage whose model is the pipeline's result.
+RESULT_STAGE = "finetune"
 # MLflow 3's UI opens an experiment without this tag on its GenAI view (traces, "No data"); with it, on the
 # training runs. The UI's own values are this and "genai_development"; MLflow's Python API has no constant.
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 TRAINING_KIND = "custom_model_development"
-MAX_PARAMS_PER_BATCH = 100  # MLflow's limit for one log_batch
+MAX_PARAMS_PER_BATCH, MAX_METRICS_PER_BATCH = 100, 1000  # MLflow's limits for one log_batch
 # What `pipeline_identity` hashes, relative to the directory a stage runs in (the repo, or DVC's copy of it).
 CODE_DIRS = ("src", "stages")
 DATA_LISTINGS = ("data/source.json", "data/teacher_source.json")
+SYSTEM_METRICS_SECONDS = 10
 HTTP_RETRIES = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
 
 
@@ -216,6 +238,7 @@ class Tracker:
         metrics_dir: str | os.PathLike[str],
         param_sections: Sequence[str],
         resume_run_id: str | None = None,
+        system_metrics: bool = False,
     ) -> None:
         self.stage = stage
         self.params = params
@@ -228,6 +251,9 @@ class Tracker:
         self.uri: str | None = None
         self._client: MlflowClient | None = None  # None: not started, or MLflow off
         self._live: Live | None = None
+        # MLflow's sampler of CPU, memory, disk, network (and GPU) use, every SYSTEM_METRICS_SECONDS in a thread.
+        self.system_metrics = system_metrics
+        self._monitor: SystemMetricsMonitor | None = None
 
     def __enter__(self) -> Tracker:
         if not self.enabled:
@@ -245,6 +271,12 @@ class Tracker:
                 _create_missing_sqlite_store(uri)
                 self._client = MlflowClient(tracking_uri=uri)
                 self.run_id = self._open_run(uri)
+            if self.system_metrics:
+                self._monitor = SystemMetricsMonitor(
+                    self.run_id, sampling_interval=SYSTEM_METRICS_SECONDS, resume_logging=self.resume_run_id is not None,
+                    tracking_uri=uri,
+                )
+                self._monitor.start()
         except Exception as error:  # whatever the store raised: MlflowException, sqlalchemy, requests, OSError
             self._without_mlflow(error)
         try:
@@ -292,6 +324,8 @@ class Tracker:
             status = "FAILED"
         try:
             self._live.end()
+            if self._monitor is not None:
+                self._monitor.finish()
         finally:
             self._mlflow("set_terminated", self.run_id, status)
             if self.pipeline_run_id is not None:
@@ -305,9 +339,12 @@ class Tracker:
         experiment_id = find_experiment(self._client, self.params.tracking.experiment, uri)
         tags = run_tags(self.params)
         self.pipeline_run_id = find_pipeline_run(self._client, experiment_id, self.params, tags, uri)
-        tags |= {STAGE_TAG: self.stage, MLFLOW_PARENT_RUN_ID: self.pipeline_run_id}
+        # Source: the stage's script (torchrun hands it to every worker as argv[0]), beside the git commit.
+        tags |= {STAGE_TAG: self.stage, MLFLOW_PARENT_RUN_ID: self.pipeline_run_id,
+                 MLFLOW_SOURCE_NAME: sys.argv[0], MLFLOW_SOURCE_TYPE: "LOCAL"}
         run = self._client.create_run(experiment_id, run_name=self.stage, tags=tags)
         self._log_params(run.info.run_id, existing={})
+        _log_resolved_params(self._client, run.info.run_id, self.params)
         return run.info.run_id
 
     def _reopen(self, run_id: str, uri: str) -> str | None:
@@ -396,6 +433,64 @@ class Tracker:
         if writers:
             self._mlflow("set_tag", self.run_id, MODEL_MADE_BY_TAG, writers[0].info.run_id)
 
+    def log_records(self, records_dir: str | os.PathLike[str], split: str) -> None:
+        """The records this run reads, as an MLflow dataset input (the UI's Dataset column): named after their
+        origin and split, with the shards' digest, the image count and the split as context."""
+        if not self.enabled:
+            return
+        summary = records.split_summary(records_dir, split)
+        dataset = Dataset(
+            name=summary.name, digest=summary.digest, source_type="local",
+            source=json.dumps({"uri": str(Path(records_dir) / f"{split}-*.tfrecord")}),
+            profile=json.dumps({"num_rows": summary.images}),
+        )
+        self._mlflow("log_inputs", self.run_id, [DatasetInput(dataset, [InputTag(MLFLOW_DATASET_CONTEXT, split)])])
+
+    def log_model(self, model: nn.Module, card: Mapping[str, Any]) -> None:
+        """The trained model as an MLflow model (`mlflow.pytorch.log_model`) in its "pt2" format (torch.export:
+        the graph and tensors, loaded without unpickling any code), with a signature ([batch, 3, S, S] images ->
+        [batch, classes] logits), an input example and the model file's fields (`card`: classes, eval_transform,
+        ...) as metadata. Tagged on the run as MODEL_ID_TAG; `record_lineage` registers the pipeline's result."""
+        if not self.enabled or self._client is None:
+            return
+        import mlflow
+        import mlflow.pytorch  # about 1 s that only the stages logging a model pay
+        from mlflow.models import ModelSignature
+        from mlflow.types import Schema, TensorSpec
+
+        side = card["img_size"]
+        exported = copy.deepcopy(model).cpu().eval()  # CPU weights load anywhere; the copy leaves training alone
+        example = torch.zeros(2, 3, side, side)  # batch 2: a batch of 1 would be exported as a fixed size
+        signature = ModelSignature(
+            inputs=Schema([TensorSpec(np.dtype(np.float32), (-1, 3, side, side), "images")]),
+            outputs=Schema([TensorSpec(np.dtype(np.float32), (-1, len(card["classes"])), "logits")]),
+        )
+        try:
+            mlflow.set_tracking_uri(self.uri)
+            with mlflow.start_run(run_id=self.run_id):
+                info = mlflow.pytorch.log_model(
+                    exported, name="model", signature=signature, input_example=example.numpy(),
+                    serialization_format="pt2", metadata=dict(card),
+                    # Pinned from this environment, not inferred (inference imports the model's whole stack).
+                    pip_requirements=[f"{name}=={version(name)}" for name in ("torch", "timm")],
+                    # MLflow would check the example through its pyfunc server path, whose PyTorch flavor takes no
+                    # JSON tensor inputs: a warning on every run about a path this project does not use.
+                    validate_serving_input=False,
+                )
+            self._client.update_run(self.run_id, status="RUNNING")  # start_run's exit ended it; __exit__ decides
+        except Exception as error:
+            self._without_mlflow(error)
+            return
+        self._mlflow("set_tag", self.run_id, MODEL_ID_TAG, info.model_id)
+
+    def log_curves(self) -> None:
+        """The run's per-epoch curves (its DVCLive history) as curves.png."""
+        if not self.enabled or self._client is None:
+            return
+        figure = report.curves_figure(Path(self._live.plots_dir) / LiveMetric.subfolder, f"{self.stage}: per epoch")
+        if figure is not None:
+            self._mlflow("log_figure", self.run_id, figure, "curves.png")
+
     def log_artifact(self, path: str | os.PathLike[str], artifact_path: str | None = None) -> None:
         """Copy a file (or a directory's contents) into the run's artifacts, under `artifact_path` if given."""
         if self.enabled:
@@ -407,10 +502,40 @@ class Tracker:
             self._mlflow("set_tag", self.run_id, key, str(value))
 
 
+def load_logged_model(uri: str, device: torch.device | str = "cpu") -> tuple[nn.Module, dict[str, Any]]:
+    """A model `Tracker.log_model` logged (`models:/<name>@<alias>`, `models:/<name>/<version>`, `models:/<id>`,
+    `runs:/<run>/model`) from this project's store, and its card (classes, img_size, eval_transform, stage).
+
+    Its "pt2" archive is checked by MLflow to hold only tensors and plain data before torch.export loads it:
+    no code is unpickled (unless MLFLOW_ALLOW_PICKLE_DESERIALIZATION=true is set). A missing name, alias or
+    version is a UserError."""
+    import mlflow
+    import mlflow.pytorch
+
+    uri_of_store = tracking_uri()
+    if uri_of_store.startswith("sqlite:///") and not Path(uri_of_store.removeprefix("sqlite:///")).is_file():
+        raise UserError(f"{uri}: no MLflow store at {uri_of_store} (run the pipeline first, or set MLFLOW_TRACKING_URI)")
+    logging.getLogger("mlflow").setLevel(logging.WARNING)
+    mlflow.set_tracking_uri(uri_of_store)
+    try:
+        card = mlflow.models.get_model_info(uri).metadata or {}
+        model = mlflow.pytorch.load_model(uri, device=str(device))
+    except MlflowException as error:
+        raise UserError(f"{uri}: cannot load it from {uri_of_store}: {_first_line(error)}") from None
+    if "classes" not in card or "eval_transform" not in card:
+        raise UserError(f"{uri}: not logged by this project (its metadata lacks classes and eval_transform)")
+    return model, card
+
+
 def _log_param_batches(client: MlflowClient, run_id: str, params: Mapping[str, str]) -> None:
     items = [Param(key, value) for key, value in params.items()]
     for start in range(0, len(items), MAX_PARAMS_PER_BATCH):
         client.log_batch(run_id, params=items[start : start + MAX_PARAMS_PER_BATCH])
+
+
+def _log_resolved_params(client: MlflowClient, run_id: str, params: Params) -> None:
+    """params.yaml as the run read it, defaults filled in: the artifact that reruns it."""
+    client.log_text(run_id, yaml.safe_dump(params.model_dump(mode="json"), sort_keys=False), "params.yaml")
 
 
 def find_experiment(client: MlflowClient, name: str, uri: str) -> str:
@@ -444,8 +569,12 @@ def find_pipeline_run(client: MlflowClient, experiment_id: str, params: Params, 
     run_id = oldest()
     if run_id is None:
         name = f"{PIPELINE_STAGE} {tags.get(DVC_EXPERIMENT_TAG) or tags[PIPELINE_KEY_TAG][:8]}"
-        run_id = client.create_run(experiment_id, run_name=name, tags={**tags, STAGE_TAG: PIPELINE_STAGE}).info.run_id
+        run_id = client.create_run(
+            experiment_id, run_name=name,
+            tags={**tags, STAGE_TAG: PIPELINE_STAGE, MLFLOW_SOURCE_NAME: "dvc.yaml", MLFLOW_SOURCE_TYPE: "PROJECT"},
+        ).info.run_id
         _log_param_batches(client, run_id, {key: str(value) for key, value in flatten(params).items()})
+        _log_resolved_params(client, run_id, params)
         if not uri.startswith("sqlite:///"):  # no lock against a server: the first one created wins
             first = oldest()
             if first != run_id:
@@ -474,7 +603,9 @@ def record_lineage(params: Params, lock: Mapping[str, Any]) -> list[str]:
             experiment_id = find_experiment(client, params.tracking.experiment, uri)
             tags = run_tags(params)
             pipeline_id = find_pipeline_run(client, experiment_id, params, tags, uri)
-        lines = _link_stages(client, experiment_id, pipeline_id, tags, lock)
+        lines, made_by = _link_stages(client, experiment_id, pipeline_id, tags, lock)
+        if RESULT_STAGE in made_by:
+            lines += register_result(client, params, pipeline_id, made_by[RESULT_STAGE])
         client.set_terminated(pipeline_id, "FINISHED")
     except Exception as error:
         logger.warning("warning: MLflow at %s is not usable (%s): no lineage recorded", uri, _first_line(error))
@@ -482,40 +613,70 @@ def record_lineage(params: Params, lock: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def register_result(client: MlflowClient, params: Params, pipeline_id: str, producer: Run) -> list[str]:
+    """Register the model `producer` (the run that made the pipeline's result) logged, unless that model already is
+    a version, and move the alias (params tracking.*) to it; tag the pipeline run with "<name>/<version>"."""
+    model_id = producer.data.tags.get(MODEL_ID_TAG)
+    if model_id is None:
+        return []  # trained before models were logged, or with MLflow unusable at the time
+    name, alias = params.tracking.registered_model, params.tracking.model_alias
+    try:
+        client.get_registered_model(name)
+    except MlflowException:
+        client.create_registered_model(name, description="The coarse-to-fine pipeline's result (the fine-tuned model)")
+    source, run_id = f"models:/{model_id}", producer.info.run_id
+    versions = client.search_model_versions(f"name = '{name}' and run_id = '{run_id}'")
+    registered = next((found for found in versions if found.source == source), None)
+    if registered is None:
+        registered = client.create_model_version(name, source=source, run_id=run_id, model_id=model_id)
+    client.set_registered_model_alias(name, alias, registered.version)
+    client.set_tag(pipeline_id, REGISTERED_TAG, f"{name}/{registered.version}")
+    return [f"{RESULT_STAGE}: model registered as models:/{name}/{registered.version}, alias {alias} "
+            f"(models:/{name}@{alias})"]
+
+
 def _link_stages(
     client: MlflowClient, experiment_id: str, pipeline_id: str, tags: dict[str, str], lock: Mapping[str, Any]
-) -> list[str]:
+) -> tuple[list[str], dict[str, Run]]:
+    """Tag or link every stage of `lock`; returns the lines for the cached ones and, per stage, the run that made
+    its outputs (its own run in this pipeline, or the producer a cached link points at)."""
     children = client.search_runs(
         [experiment_id], f"tags.`{MLFLOW_PARENT_RUN_ID}` = '{pipeline_id}'", order_by=["attributes.start_time ASC"]
     )
     latest = {run.data.tags.get(STAGE_TAG): run for run in children}  # a stage's newest run in this pipeline
-    lines = []
+    lines, made_by = [], {}
     for stage, entry in lock.get("stages", {}).items():
         digest = outputs_digest(entry)
         if digest is None:
             continue
         own = latest.get(stage)
         if own is not None:
-            if own.data.tags.get(OUTPUTS_TAG) != digest and CACHED_FROM_TAG not in own.data.tags:
-                client.set_tag(own.info.run_id, OUTPUTS_TAG, digest)
+            if CACHED_FROM_TAG in own.data.tags:
+                made_by[stage] = client.get_run(own.data.tags[CACHED_FROM_TAG])
+            else:
+                made_by[stage] = own
+                if own.data.tags.get(OUTPUTS_TAG) != digest:
+                    client.set_tag(own.info.run_id, OUTPUTS_TAG, digest)
             continue
         query = f"tags.`{OUTPUTS_TAG}` = '{digest}' and tags.`{STAGE_TAG}` = '{stage}'"
         producers = client.search_runs([experiment_id], query, order_by=["attributes.start_time DESC"], max_results=1)
         if not producers:
             continue  # its stage has no run (plain-python stages), or ran before lineage was recorded
-        producer = producers[0]
+        producer = made_by[stage] = producers[0]
         link = client.create_run(
             experiment_id, run_name=f"{stage} (cached)",
             tags={**tags, STAGE_TAG: stage, MLFLOW_PARENT_RUN_ID: pipeline_id, OUTPUTS_TAG: digest,
                   CACHED_FROM_TAG: producer.info.run_id},
         ).info.run_id
-        final = _mlflow_metrics(producer.data.metrics, step=0)
-        for start in range(0, len(final), MAX_PARAMS_PER_BATCH):
-            client.log_batch(link, metrics=final[start : start + MAX_PARAMS_PER_BATCH])
+        # The producer's params and whole metric histories: the new pipeline run compares and plots like the old.
+        _log_param_batches(client, link, producer.data.params)
+        history = [point for name in producer.data.metrics for point in client.get_metric_history(producer.info.run_id, name)]
+        for start in range(0, len(history), MAX_METRICS_PER_BATCH):
+            client.log_batch(link, metrics=history[start : start + MAX_METRICS_PER_BATCH])
         client.set_terminated(link, "FINISHED")
         producer_pipeline = producer.data.tags.get(MLFLOW_PARENT_RUN_ID, "none")
         lines.append(f"{stage}: cached, made by run {producer.info.run_id} (pipeline run {producer_pipeline})")
-    return lines
+    return lines, made_by
 
 
 def _first_line(error: BaseException) -> str:

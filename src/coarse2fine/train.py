@@ -16,7 +16,7 @@ Checkpoint (`<checkpoint_dir>/last.pt`, rewritten atomically after every epoch, 
     rng        one entry per rank: torch / numpy / random (/ cuda) generator states
     run_id     the MLflow run, reopened on resume
     metrics    the last epoch's metrics: logged after the checkpoint is written, so a resumed run logs them
-               if the killed one did not get to (`Tracker.resume_history`), and the final summary
+               if the killed one did not get to (`Tracker.resume_history`)
     inputs     what the result depends on: the params the stage reads (less those that cannot change it,
                RESULT_NEUTRAL_PARAMS), the world size, and the stage's `provenance` (the data digest, the
                hash of the code the stage runs, the library versions). A checkpoint written under other
@@ -43,6 +43,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from coarse2fine import config, distributed, losses, models
+from coarse2fine.data import records
+from coarse2fine.data.loaders import eval_transform
 from coarse2fine.distributed import Runtime
 from coarse2fine.errors import UserError
 from coarse2fine.evaluate import evaluate
@@ -123,6 +125,7 @@ class Trainer:
         metrics_dir: Path,
         objective: Objective | None = None,
         model_cfg: config.Model | None = None,
+        records_dir: Path | None = None,
     ):
         self.stage, self.params, self.cfg, self.runtime = stage, params, cfg, runtime
         self.classes = list(classes)
@@ -130,6 +133,8 @@ class Trainer:
         self.param_sections = tuple(param_sections)
         self.checkpoint_path = Path(checkpoint_dir) / CHECKPOINT_FILE
         self.model_file, self.metrics_dir = Path(model_file), Path(metrics_dir)
+        # The records the loaders read, for the run's dataset inputs and artifacts; None: synthetic batches (tests).
+        self.records_dir = records_dir
         self.model_cfg = model_cfg or params.model  # what the model file records as the architecture
 
         self.model = model.to(runtime.device)
@@ -166,7 +171,7 @@ class Trainer:
         metrics = checkpoint["metrics"] if checkpoint else {}
         with Tracker(
             self.stage, self.params, self.runtime,
-            metrics_dir=self.metrics_dir, param_sections=self.param_sections, resume_run_id=run_id,
+            metrics_dir=self.metrics_dir, param_sections=self.param_sections, resume_run_id=run_id, system_metrics=True,
         ) as tracker:
             if checkpoint:
                 tracker.resume_history(checkpoint["epoch"] - 1, checkpoint["metrics"])
@@ -176,6 +181,8 @@ class Trainer:
                 f"({cfg.batch_size} per device x {cfg.accum_steps} accumulated x {world} ranks)"
             )
             tracker.log_setup({"effective_lr": self.lr, "global_batch": self.global_batch, "world_size": world})
+            for split in ("train", "val") if self.records_dir else ():
+                tracker.log_records(self.records_dir, split)
             for epoch in range(self.start_epoch, self.cfg.epochs):
                 metrics = self._train_epoch(epoch) | self._validate()
                 self.save_checkpoint(epoch + 1, metrics, tracker.run_id)
@@ -186,12 +193,18 @@ class Trainer:
                     f"{metrics['train_img_per_s']:.0f} img/s, {metrics['epoch_seconds']:.1f} s"
                 )
             if self.runtime.is_main:
-                models.save_model_file(
+                card = models.save_model_file(
                     self.model_file, self.eval_model,
                     model_cfg=self.model_cfg, img_size=self.cfg.img_size, classes=self.classes, stage=self.stage,
+                    eval_transform=eval_transform(
+                        self.cfg.img_size, self.cfg.val_crop_pct, self.params.augment.interpolation
+                    ),
                 )
                 tracker.tag_written_model(self.model_file)
-            tracker.log_summary({"top1": metrics["val_top1"], "top5": metrics["val_top5"]})
+                tracker.log_model(self.eval_model, card)
+            tracker.log_curves()
+            for name in (records.CLASSES_FILE, records.MANIFEST_FILE) if self.records_dir else ():
+                tracker.log_artifact(self.records_dir / name)
         return metrics
 
     @property

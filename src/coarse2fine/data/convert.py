@@ -234,11 +234,11 @@ def _reencoded(root: Path, quality: int, item: Checked) -> bytes:
     """An RGB JPEG re-encoding of a checked file."""
     with Image.open(root / item.file.path) as image:
         encoded = io.BytesIO()
-        _on_white_rgb(image).save(encoded, "JPEG", quality=quality)  # libjpeg output is deterministic
+        on_white_rgb(image).save(encoded, "JPEG", quality=quality)  # libjpeg output is deterministic
         return encoded.getvalue()
 
 
-def _on_white_rgb(image: Image.Image) -> Image.Image:
+def on_white_rgb(image: Image.Image) -> Image.Image:
     """RGB; transparent pixels (alpha, or a palette's transparent entry) composited on white, not black."""
     if not image.has_transparency_data:
         return image.convert("RGB")

@@ -44,7 +44,7 @@ import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Protocol
+from typing import Any, Iterator, Protocol
 
 import numpy as np
 import torch
@@ -137,6 +137,16 @@ def train_batches_per_rank(num_records: int, world_size: int, batch_size: int) -
             f"{world_size} rank(s) gets; lower the batch size"
         )
     return batches
+
+
+def eval_transform(img_size: int, crop_pct: float, interpolation: str) -> dict[str, Any]:
+    """The val loaders' preprocessing as plain data, stored with a model so that `coarse2fine.predict` (or anyone
+    loading it from MLflow) feeds it images exactly as it was validated: resize the shorter side to
+    floor(img_size / crop_pct) with `interpolation`, centre-crop img_size, scale to [0, 1], normalise."""
+    return {
+        "img_size": img_size, "crop_pct": crop_pct, "interpolation": interpolation,
+        "mean": list(IMAGE_MEAN), "std": list(IMAGE_STD),
+    }
 
 
 def resized_short_side(img_size: int, crop_pct: float) -> int:

@@ -111,6 +111,26 @@ def manifest_digest(records_dir: str | Path) -> str:
     return hashlib.sha256(json.dumps(read_manifest(records_dir), sort_keys=True).encode()).hexdigest()
 
 
+@dataclass(frozen=True)
+class SplitSummary:
+    """What a run read, for its MLflow dataset entry: a name, the records' digest and the image count."""
+
+    name: str
+    digest: str
+    images: int
+
+
+def split_summary(records_dir: str | Path, split: str) -> SplitSummary:
+    """`split` of the records in `records_dir`, named after where the images came from (e.g. "digits train")."""
+    manifest = read_manifest(records_dir)
+    origin = manifest["source"]
+    name = f"{Path(origin['root']).name if 'root' in origin else origin['kind']} {split}"
+    if manifest["settings"]["subset"] < 1:
+        name += f" (subset {manifest['settings']['subset']:g})"
+    digest = hashlib.sha256(json.dumps(manifest["splits"][split]["shards"], sort_keys=True).encode()).hexdigest()
+    return SplitSummary(name, digest[:12], manifest["splits"][split]["images"])
+
+
 def read_classes(records_dir: str | Path) -> list[str]:
     """Class names; position = label."""
     return _read_json(Path(records_dir), CLASSES_FILE)

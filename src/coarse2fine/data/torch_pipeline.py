@@ -165,19 +165,27 @@ class TrainTransform:
         }
 
 
+def val_resize_and_crop(img_size: int, crop_pct: float, interpolation: str) -> v2.Compose:
+    """Resize the shorter side to floor(S / crop_pct) -> centre crop S (padded if larger): the val loader's and
+    `coarse2fine.predict`'s geometry (a model's recorded eval transform)."""
+    return v2.Compose(
+        [
+            v2.Resize(
+                resized_short_side(img_size, crop_pct),
+                interpolation=InterpolationMode[interpolation.upper()],
+                antialias=True,
+            ),
+            v2.CenterCrop(img_size),
+        ]
+    )
+
+
 class ValTransform:
     """Resize the shorter side to floor(S / crop_pct) -> centre crop S (padded if larger) -> normalise."""
 
     def __init__(self, settings: LoaderSettings):
-        self.resize_and_crop = v2.Compose(
-            [
-                v2.Resize(
-                    resized_short_side(settings.img_size, settings.crop_pct),
-                    interpolation=InterpolationMode[settings.augment_cfg.interpolation.upper()],
-                    antialias=True,
-                ),
-                v2.CenterCrop(settings.img_size),
-            ]
+        self.resize_and_crop = val_resize_and_crop(
+            settings.img_size, settings.crop_pct, settings.augment_cfg.interpolation
         )
 
     def __call__(self, image: Image.Image) -> dict[str, torch.Tensor]:

@@ -13,7 +13,7 @@ export PATH := $(CURDIR)/$(BIN):$(PATH)
 PLOTS_TEMPLATE := .dvc/plots_offline.html
 NPM_CI := npm ci --prefix docs --ignore-scripts --omit=optional --no-audit --no-fund
 
-.PHONY: setup repro test bench screenshot clean-venv
+.PHONY: setup repro test bench screenshot ui sweep clean-venv
 
 setup: $(STAMP) $(PLOTS_TEMPLATE)
 
@@ -54,6 +54,15 @@ $(CHROMIUM):
 docs/node_modules/.playwright: docs/package-lock.json
 	$(NPM_CI) --include=dev
 	touch $@
+
+# The MLflow UI of ./mlflow.db on loopback. MLflow 3.17's UI starts on its GenAI view unless the address (or its
+# sidebar switch, which the browser remembers) asks for model training: open the address printed first.
+UI_PORT ?= 5000
+EXPERIMENT_ID = $(shell $(BIN)/python -c "from mlflow import MlflowClient; e = MlflowClient('sqlite:///mlflow.db').get_experiment_by_name('$(EXPERIMENT)'); print(e.experiment_id if e else 0)" 2>/dev/null)
+
+ui: setup
+	@echo "open http://127.0.0.1:$(UI_PORT)/#/experiments/$(EXPERIMENT_ID)/runs?workflowType=machine_learning"
+	MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false $(BIN)/mlflow ui --backend-store-uri sqlite:///mlflow.db --host 127.0.0.1 --port $(UI_PORT)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -3,11 +3,16 @@ source images, a killed run resumed, experiments running their own code."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
+import sys
 import time
+import urllib.parse
+import urllib.request
 from pathlib import Path
 from typing import Callable
 
@@ -93,9 +98,9 @@ def test_repro_reruns_exactly_what_a_params_or_code_change_affects(project):
 
     assert project.repro() == ALWAYS  # a second run only lists the source, which is unchanged
 
-    # Only finetune.* and evaluate.finetune.*: the data, teacher, token labels and the pre-trained model stay cached.
-    project.edit_params({"finetune": {"label_smoothing": 0.0}, "evaluate": {"finetune": {"crop_pct": 0.875}}})
-    assert project.repro() == {*ALWAYS, *FINETUNED}
+    # An experiment on a late-stage param: the data, teacher, token labels and the pre-trained model stay cached.
+    output = project.run("dvc", "exp", "run", "-S", "finetune.label_smoothing=0.0").stdout
+    assert ran_stages(output) == {*ALWAYS, *FINETUNED}
     # In MLflow the new pipeline run still shows every stage: the cached ones link to the first pipeline's runs.
     first, second = pipeline_runs(project)
     assert stage_runs(project, second) == {stage: True for stage in CACHED_FROM_FIRST} | {
@@ -105,21 +110,23 @@ def test_repro_reruns_exactly_what_a_params_or_code_change_affects(project):
         linked = stage_run(project, second, stage)
         made = project.mlflow().get_run(linked.data.tags["cached_from"])
         assert made.data.tags["mlflow.parentRunId"] == first.info.run_id and made.data.tags["stage"] == stage
-        assert linked.data.metrics.get("top1") == made.data.metrics.get("top1")
+        assert (linked.data.metrics, linked.data.params) == (made.data.metrics, made.data.params)
     # The fine-tuned model's evaluation names the run that wrote the file it read.
     assert stage_run(project, second, "evaluate@finetune").data.tags["model.made_by"] == (
         stage_run(project, second, "finetune").info.run_id
     )
+    check_pipeline_runs_through_the_rest_api(project, changed={"finetune.label_smoothing": ("0.1", "0.0")})
+    check_the_registered_model_predicts_as_evaluated(project)
 
     project.edit_params({"pretrain": {"label_smoothing": 0.0}})  # only pretrain.*: teacher and labels stay cached
     assert project.repro() == {*ALWAYS, "pretrain", "finetune", *EVALUATIONS}
-    assert project.metrics("pretrain")["top1"] >= 90.0
+    assert project.metrics("pretrain")["val_top1"] >= 90.0
 
     # Another teacher: new token labels, and both students rerun on them. Pre-training on the ground truth here,
     # it trains the same weights bit for bit, so DVC leaves its evaluation cached.
     project.edit_params({"teacher": {"epochs": 4}})
     assert project.repro() == {*ALWAYS, "teacher", "token_labels", "pretrain", *FINETUNED}
-    assert project.metrics("teacher")["top1"] >= 50.0  # chance is 10 %
+    assert project.metrics("teacher")["val_top1"] >= 50.0  # chance is 10 %
 
     # An experiment with one knob changed, as a user runs it; it sees the same cache.
     project.commit("params")
@@ -132,20 +139,161 @@ def test_repro_reruns_exactly_what_a_params_or_code_change_affects(project):
     # (Up to the coarse model's evaluation: the fine-tune stage imports the same modules.)
     project.edit_code(*NO_LEARNING)
     assert project.repro(COARSE_TARGET) == UP_TO_COARSE - {"convert"}
-    assert project.metrics("teacher")["top1"] < 40.0  # trained under the new code, which learns nothing
-    assert project.metrics("pretrain")["top1"] < 40.0
+    assert project.metrics("teacher")["val_top1"] < 40.0  # trained under the new code, which learns nothing
+    assert project.metrics("pretrain")["val_top1"] < 40.0
     assert project.metrics("evaluate/pretrain")["top1"] < 40.0
 
     shown = json.loads(project.run("dvc", "metrics", "show", "--json").stdout)
     (workspace,) = shown.values()  # the only revision shown: the workspace
     files = workspace["data"]
-    for name in ("evaluate/pretrain", "evaluate/finetune", "pretrain", "finetune"):
-        assert files[f"metrics/{name}/metrics.json"]["data"]["top1"] == project.metrics(name)["top1"]
+    for name, key in (("evaluate/pretrain", "top1"), ("evaluate/finetune", "top1"), ("pretrain", "val_top1")):
+        assert files[f"metrics/{name}/metrics.json"]["data"][key] == project.metrics(name)[key]
     assert files["metrics/compare.json"]["data"]["finetune"]["top1"] == project.metrics("evaluate/finetune")["top1"]
 
 
 # The stages with MLflow runs that a finetune.* change leaves cached (source and compare are plain python).
 CACHED_FROM_FIRST = ("convert", "teacher", "token_labels", "pretrain", "evaluate@pretrain")
+
+
+# The stages with an MLflow run of their own (source, compare and lineage are plain python), and those that train.
+TRACKED_STAGES = {"convert", "teacher", "token_labels", "pretrain", "finetune", "evaluate@pretrain", "evaluate@finetune"}
+EPOCHS = {stage: FAST[stage]["epochs"] for stage in ("teacher", "pretrain", "finetune")}
+
+
+def check_pipeline_runs_through_the_rest_api(project: Project, changed: dict[str, tuple[str, str]]) -> None:
+    """What a user of `mlflow server` sees after two pipeline runs, through its REST API only: every stage of the
+    DAG nested under each pipeline run with params and metric histories; in the second, the rerun stages differ
+    from the first's only in `changed` (key -> (first, second)) and the skipped ones link to the first's runs."""
+    with mlflow_server(project.path / "mlflow.db") as rest:
+        experiment = rest.get("experiments/get-by-name", experiment_name="coarse2fine")["experiment"]
+        assert {tag["key"]: tag["value"] for tag in experiment["tags"]}["mlflow.experimentKind"] == (
+            "custom_model_development"
+        )
+
+        def search(query: str) -> list[dict]:
+            found = rest.post("runs/search", experiment_ids=[experiment["experiment_id"]], filter=query,
+                              order_by=["attributes.start_time ASC"], max_results=1000)
+            return found.get("runs", [])
+
+        pipelines = search("tags.stage = 'pipeline'")
+        assert len(pipelines) == 2
+        stages = []
+        for pipeline in pipelines:
+            children = search(f"tags.`mlflow.parentRunId` = '{pipeline['info']['run_id']}'")
+            by_stage = {tags_of(run)["stage"]: run for run in children}
+            assert set(by_stage) == TRACKED_STAGES and len(children) == len(TRACKED_STAGES)
+            for stage, run in by_stage.items():
+                assert run["data"]["params"], stage
+                metric = "val_top1" if stage in EPOCHS else run["data"]["metrics"][0]["key"]
+                history = rest.get("metrics/get-history", run_id=run["info"]["run_id"], metric_key=metric)["metrics"]
+                assert len(history) == EPOCHS.get(stage, 1), (stage, history)
+            stages.append(by_stage)
+        first, second = stages
+        assert tags_of(pipelines[1])["dvc.experiment"]  # made by `dvc exp run`, named after its experiment
+        for stage, run in second.items():
+            if stage in CACHED_FROM_FIRST:
+                assert tags_of(run)["cached_from"] == first[stage]["info"]["run_id"]
+                continue
+            ours, theirs = params_of(first[stage]), params_of(run)
+            differing = {key: (ours.get(key), theirs.get(key)) for key in ours.keys() | theirs.keys()
+                         if ours.get(key) != theirs.get(key)}
+            assert differing == {key: value for key, value in changed.items() if key in ours}, stage
+
+
+def tags_of(run: dict) -> dict[str, str]:
+    return {tag["key"]: tag["value"] for tag in run["data"].get("tags", [])}
+
+
+def params_of(run: dict) -> dict[str, str]:
+    return {param["key"]: param["value"] for param in run["data"].get("params", [])}
+
+
+def check_the_registered_model_predicts_as_evaluated(project: Project) -> None:
+    """The pipeline's result under its alias, loaded by MLflow and by `coarse2fine.predict`, gives the top-1 the
+    evaluate stage computes from the model file on the same val images (through the real val loader)."""
+    import mlflow.pytorch
+    from coarse2fine import models
+    from coarse2fine.data import records
+    from coarse2fine.data.loaders import build_loader
+    from coarse2fine.config import load_params
+    from conftest import cpu_runtime
+
+    params = load_params(project.path / "params.yaml")
+    uri = f"models:/{params.tracking.registered_model}@{params.tracking.model_alias}"
+    model_file = project.path / "models/finetune/model.pt"
+    payload = models.read_model_file(model_file)
+    version = project.mlflow().get_model_version_by_alias(params.tracking.registered_model, params.tracking.model_alias)
+    assert version.run_id == stage_run(project, pipeline_runs(project)[-1], "finetune").info.run_id
+    evaluated = models.model_from_payload(payload, model_file)
+    loader = build_loader(
+        "val", project.path / "data/records", img_size=payload["img_size"], batch_size=8, runtime=cpu_runtime(),
+        loader_cfg=params.loader, augment_cfg=params.augment, crop_pct=params.evaluate.finetune.crop_pct, seed=0,
+    )
+    batch = next(iter(loader))
+    mlflow.set_tracking_uri(project.env["MLFLOW_TRACKING_URI"])
+    with torch.inference_mode():
+        expected = evaluated(batch["image"]).argmax(1)
+        assert torch.equal(mlflow.pytorch.load_model(uri)(batch["image"]).argmax(1), expected)
+    # The same images as files, through the command line.
+    images = project.path / "val_images"
+    images.mkdir()
+    (shard, _), *_ = records.shard_files(project.path / "data/records", "val")
+    for index, record in zip(range(len(expected)), records.read_shard(shard)):
+        (images / f"{index}.jpg").write_bytes(record["image"])
+    for model in (uri, str(model_file)):
+        result = project.run("python", "-m", "coarse2fine.predict", model, str(images), "--json")
+        predicted = json.loads(result.stdout)["predictions"]
+        top1 = [entry["top5"][0]["class"] for entry in sorted(predicted, key=lambda entry: int(Path(entry["image"]).stem))]
+        assert top1 == [payload["classes"][label] for label in expected.tolist()], model
+
+
+@contextlib.contextmanager
+def mlflow_server(database: Path):
+    """`mlflow server` on 127.0.0.1 (a free port) over `database`; yields a tiny REST client of its API."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", "MLFLOW_DISABLE_TELEMETRY": "true"}
+    server = subprocess.Popen(
+        ["mlflow", "server", "--backend-store-uri", f"sqlite:///{database}", "--host", "127.0.0.1",
+         "--port", str(port), "--workers", "1"],
+        env={**env, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"},
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+    )
+    rest = RestClient(f"http://127.0.0.1:{port}/api/2.0/mlflow/")
+    try:
+        deadline = time.monotonic() + 120
+        while not rest.healthy():
+            assert server.poll() is None, server.stderr.read().decode()[-3000:]
+            assert time.monotonic() < deadline, "mlflow server did not answer in 120 s"
+            time.sleep(0.5)
+        yield rest
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=60)
+
+
+class RestClient:
+    def __init__(self, base: str):
+        self.base = base
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.base.split("/api/")[0] + "/health", timeout=5) as response:
+                return response.status == 200
+        except OSError:
+            return False
+
+    def get(self, endpoint: str, **query: str) -> dict:
+        with urllib.request.urlopen(f"{self.base}{endpoint}?{urllib.parse.urlencode(query)}", timeout=60) as response:
+            return json.load(response)
+
+    def post(self, endpoint: str, **body) -> dict:
+        request = urllib.request.Request(
+            self.base + endpoint, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return json.load(response)
 
 
 def pipeline_runs(project: Project) -> list:

@@ -111,6 +111,9 @@ def test_repro_reruns_exactly_what_a_params_or_code_change_affects(project):
         made = project.mlflow().get_run(linked.data.tags["cached_from"])
         assert made.data.tags["mlflow.parentRunId"] == first.info.run_id and made.data.tags["stage"] == stage
         assert (linked.data.metrics, linked.data.params) == (made.data.metrics, made.data.params)
+        assert [entry.dataset.digest for entry in linked.inputs.dataset_inputs] == [
+            entry.dataset.digest for entry in made.inputs.dataset_inputs
+        ]
     # The fine-tuned model's evaluation names the run that wrote the file it read.
     assert stage_run(project, second, "evaluate@finetune").data.tags["model.made_by"] == (
         stage_run(project, second, "finetune").info.run_id

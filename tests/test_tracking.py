@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
+import os
 import signal
 import sqlite3
 import subprocess
@@ -294,11 +295,23 @@ def test_a_training_run_holds_its_datasets_curves_and_model_and_the_result_is_re
     assert "curves.png" in {item.path for item in client(store).list_artifacts(tracker.run_id)}
 
     # The pipeline's last stage registers the finetune run's model and moves the alias to it, once per model.
-    name, lock = params.tracking.registered_model, lock_with({"finetune": "e" * 32})
+    # Run as DVC runs it in a queued experiment: the store found through DVC_ROOT (no MLFLOW_TRACKING_URI) from a
+    # temporary copy of the repo, whose ./mlflow.db must not be where MLflow looks for the model.
+    name = params.tracking.registered_model
+    (workdir / "params.yaml").write_text(yaml.safe_dump(params.model_dump(mode="json")))
+    (workdir / "dvc.lock").write_text(yaml.safe_dump(lock_with({"finetune": "e" * 32})))
+    copy = workdir / "exps" / "tmp1234"
+    copy.mkdir(parents=True)
+    env = {key: value for key, value in os.environ.items() if key != "MLFLOW_TRACKING_URI"}
+    command = [sys.executable, str(PROJECT_ROOT / "stages" / "lineage.py"), "--params", str(workdir / "params.yaml"),
+               "--lock", str(workdir / "dvc.lock")]
     for _ in range(2):
-        assert record_lineage(params, lock) == [
-            f"finetune: model registered as models:/{name}/1, alias current (models:/{name}@current)"
-        ]
+        lineage = subprocess.run(command, cwd=copy, env={**env, "DVC_ROOT": str(store.parent)}, capture_output=True,
+                                 text=True, check=True)
+        assert lineage.stdout.splitlines() == [
+            f"lineage: finetune: model registered as models:/{name}/1, alias current (models:/{name}@current)"
+        ], lineage.stderr
+    assert not (copy / "mlflow.db").exists()
     (version,) = client(store).search_model_versions(f"name = '{name}'")
     assert (version.run_id, version.source) == (tracker.run_id, f"models:/{run.data.tags['model.id']}")
     assert client(store).get_model_version_by_alias(name, "current").version == version.version

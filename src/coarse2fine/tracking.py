@@ -44,7 +44,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
@@ -52,6 +52,7 @@ from typing import Any
 import numpy as np
 import torch
 import yaml
+import mlflow
 from dvclive import Live
 from dvclive.plots import Metric as LiveMetric, NumpyEncoder
 from filelock import FileLock
@@ -131,6 +132,19 @@ def _store_lock(uri: str) -> contextlib.AbstractContextManager:
     database = Path(uri.removeprefix("sqlite:///"))
     database.parent.mkdir(parents=True, exist_ok=True)
     return FileLock(f"{database}.lock")
+
+
+@contextlib.contextmanager
+def _opened_store(uri: str) -> Iterator[MlflowClient]:
+    """A client of the store, created if missing, for first touches made under the store's lock.
+
+    Also MLflow's global tracking URI: some of its calls ignore the client's and resolve through it (logging a
+    model; registering a version from its `models:/<id>` source), and its default, ./mlflow.db of the working
+    directory, is another store in a queued DVC experiment, which runs in a temporary copy of the repo."""
+    mlflow.set_tracking_uri(uri)
+    with _store_lock(uri):
+        _create_missing_sqlite_store(uri)
+        yield MlflowClient(tracking_uri=uri)
 
 
 def _create_missing_sqlite_store(uri: str) -> None:
@@ -267,9 +281,7 @@ class Tracker:
             for name, value in HTTP_RETRIES.items():
                 os.environ.setdefault(name, value)
         try:
-            with _store_lock(uri):
-                _create_missing_sqlite_store(uri)
-                self._client = MlflowClient(tracking_uri=uri)
+            with _opened_store(uri) as self._client:
                 self.run_id = self._open_run(uri)
             if self.system_metrics:
                 self._monitor = SystemMetricsMonitor(
@@ -336,9 +348,7 @@ class Tracker:
             run_id = self._reopen(self.resume_run_id, uri)
             if run_id is not None:
                 return run_id
-        experiment_id = find_experiment(self._client, self.params.tracking.experiment, uri)
-        tags = run_tags(self.params)
-        self.pipeline_run_id = find_pipeline_run(self._client, experiment_id, self.params, tags, uri)
+        experiment_id, tags, self.pipeline_run_id = _pipeline_run(self._client, self.params, uri)
         # Source: the stage's script (torchrun hands it to every worker as argv[0]), beside the git commit.
         tags |= {STAGE_TAG: self.stage, MLFLOW_PARENT_RUN_ID: self.pipeline_run_id,
                  MLFLOW_SOURCE_NAME: sys.argv[0], MLFLOW_SOURCE_TYPE: "LOCAL"}
@@ -453,7 +463,6 @@ class Tracker:
         ...) as metadata. Tagged on the run as MODEL_ID_TAG; `record_lineage` registers the pipeline's result."""
         if not self.enabled or self._client is None:
             return
-        import mlflow
         import mlflow.pytorch  # about 1 s that only the stages logging a model pay
         from mlflow.models import ModelSignature
         from mlflow.types import Schema, TensorSpec
@@ -466,7 +475,6 @@ class Tracker:
             outputs=Schema([TensorSpec(np.dtype(np.float32), (-1, len(card["classes"])), "logits")]),
         )
         try:
-            mlflow.set_tracking_uri(self.uri)
             with mlflow.start_run(run_id=self.run_id):
                 info = mlflow.pytorch.log_model(
                     exported, name="model", signature=signature, input_example=example.numpy(),
@@ -509,7 +517,6 @@ def load_logged_model(uri: str, device: torch.device | str = "cpu") -> tuple[nn.
     Its "pt2" archive is checked by MLflow to hold only tensors and plain data before torch.export loads it:
     no code is unpickled (unless MLFLOW_ALLOW_PICKLE_DESERIALIZATION=true is set). A missing name, alias or
     version is a UserError."""
-    import mlflow
     import mlflow.pytorch
 
     uri_of_store = tracking_uri()
@@ -558,6 +565,13 @@ def run_tags(params: Params) -> dict[str, str]:
     return tags
 
 
+def _pipeline_run(client: MlflowClient, params: Params, uri: str) -> tuple[str, dict[str, str], str]:
+    """The experiment's id, the tags every run of this pipeline gets, and its pipeline run (found or created)."""
+    experiment_id = find_experiment(client, params.tracking.experiment, uri)
+    tags = run_tags(params)
+    return experiment_id, tags, find_pipeline_run(client, experiment_id, params, tags, uri)
+
+
 def find_pipeline_run(client: MlflowClient, experiment_id: str, params: Params, tags: dict[str, str], uri: str) -> str:
     """The pipeline run of `tags[PIPELINE_KEY_TAG]`, created if there is none (module docstring), RUNNING."""
     query = f"tags.`{PIPELINE_KEY_TAG}` = '{tags[PIPELINE_KEY_TAG]}' and tags.`{STAGE_TAG}` = '{PIPELINE_STAGE}'"
@@ -597,12 +611,8 @@ def record_lineage(params: Params, lock: Mapping[str, Any]) -> list[str]:
     stage linked to a cached result. MLflow unusable: one warning, nothing recorded."""
     uri = tracking_uri()
     try:
-        with _store_lock(uri):
-            _create_missing_sqlite_store(uri)
-            client = MlflowClient(tracking_uri=uri)
-            experiment_id = find_experiment(client, params.tracking.experiment, uri)
-            tags = run_tags(params)
-            pipeline_id = find_pipeline_run(client, experiment_id, params, tags, uri)
+        with _opened_store(uri) as client:
+            experiment_id, tags, pipeline_id = _pipeline_run(client, params, uri)
         lines, made_by = _link_stages(client, experiment_id, pipeline_id, tags, lock)
         if RESULT_STAGE in made_by:
             lines += register_result(client, params, pipeline_id, made_by[RESULT_STAGE])
@@ -663,13 +673,17 @@ def _link_stages(
         if not producers:
             continue  # its stage has no run (plain-python stages), or ran before lineage was recorded
         producer = made_by[stage] = producers[0]
+        source = {key: producer.data.tags[key] for key in (MLFLOW_SOURCE_NAME, MLFLOW_SOURCE_TYPE) if key in producer.data.tags}
         link = client.create_run(
             experiment_id, run_name=f"{stage} (cached)",
-            tags={**tags, STAGE_TAG: stage, MLFLOW_PARENT_RUN_ID: pipeline_id, OUTPUTS_TAG: digest,
+            tags={**tags, **source, STAGE_TAG: stage, MLFLOW_PARENT_RUN_ID: pipeline_id, OUTPUTS_TAG: digest,
                   CACHED_FROM_TAG: producer.info.run_id},
         ).info.run_id
-        # The producer's params and whole metric histories: the new pipeline run compares and plots like the old.
+        # The producer's params, datasets and whole metric histories: the new pipeline run compares and plots like
+        # the one that made the outputs.
         _log_param_batches(client, link, producer.data.params)
+        if producer.inputs.dataset_inputs:
+            client.log_inputs(link, producer.inputs.dataset_inputs)
         history = [point for name in producer.data.metrics for point in client.get_metric_history(producer.info.run_id, name)]
         for start in range(0, len(history), MAX_METRICS_PER_BATCH):
             client.log_batch(link, metrics=history[start : start + MAX_METRICS_PER_BATCH])

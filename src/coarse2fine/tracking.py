@@ -102,6 +102,7 @@ MAX_PARAMS_PER_BATCH, MAX_METRICS_PER_BATCH = 100, 1000  # MLflow's limits for o
 CODE_DIRS = ("src", "stages")
 DATA_LISTINGS = ("data/source.json", "data/teacher_source.json")
 SYSTEM_METRICS_SECONDS = 10
+SOURCE_TAGS = (MLFLOW_SOURCE_NAME, MLFLOW_SOURCE_TYPE)  # the UI's Source column
 HTTP_RETRIES = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
 
 
@@ -285,8 +286,8 @@ class Tracker:
                 self.run_id = self._open_run(uri)
             if self.system_metrics:
                 self._monitor = SystemMetricsMonitor(
-                    self.run_id, sampling_interval=SYSTEM_METRICS_SECONDS, resume_logging=self.resume_run_id is not None,
-                    tracking_uri=uri,
+                    self.run_id, sampling_interval=SYSTEM_METRICS_SECONDS,
+                    resume_logging=self.resume_run_id is not None, tracking_uri=uri,
                 )
                 self._monitor.start()
         except Exception as error:  # whatever the store raised: MlflowException, sqlalchemy, requests, OSError
@@ -521,7 +522,9 @@ def load_logged_model(uri: str, device: torch.device | str = "cpu") -> tuple[nn.
 
     uri_of_store = tracking_uri()
     if uri_of_store.startswith("sqlite:///") and not Path(uri_of_store.removeprefix("sqlite:///")).is_file():
-        raise UserError(f"{uri}: no MLflow store at {uri_of_store} (run the pipeline first, or set MLFLOW_TRACKING_URI)")
+        raise UserError(
+            f"{uri}: no MLflow store at {uri_of_store} (run the pipeline first, or set MLFLOW_TRACKING_URI)"
+        )
     logging.getLogger("mlflow").setLevel(logging.WARNING)
     mlflow.set_tracking_uri(uri_of_store)
     try:
@@ -673,7 +676,7 @@ def _link_stages(
         if not producers:
             continue  # its stage has no run (plain-python stages), or ran before lineage was recorded
         producer = made_by[stage] = producers[0]
-        source = {key: producer.data.tags[key] for key in (MLFLOW_SOURCE_NAME, MLFLOW_SOURCE_TYPE) if key in producer.data.tags}
+        source = {key: producer.data.tags[key] for key in SOURCE_TAGS if key in producer.data.tags}
         link = client.create_run(
             experiment_id, run_name=f"{stage} (cached)",
             tags={**tags, **source, STAGE_TAG: stage, MLFLOW_PARENT_RUN_ID: pipeline_id, OUTPUTS_TAG: digest,
@@ -684,7 +687,9 @@ def _link_stages(
         _log_param_batches(client, link, producer.data.params)
         if producer.inputs.dataset_inputs:
             client.log_inputs(link, producer.inputs.dataset_inputs)
-        history = [point for name in producer.data.metrics for point in client.get_metric_history(producer.info.run_id, name)]
+        history = [
+            point for name in producer.data.metrics for point in client.get_metric_history(producer.info.run_id, name)
+        ]
         for start in range(0, len(history), MAX_METRICS_PER_BATCH):
             client.log_batch(link, metrics=history[start : start + MAX_METRICS_PER_BATCH])
         client.set_terminated(link, "FINISHED")

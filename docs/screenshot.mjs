@@ -1,5 +1,6 @@
 // The README's picture of the MLflow UI (make screenshot): ./mlflow.db served on loopback, the experiment's
-// training-runs table in headless Chromium with every pipeline run expanded to its stage runs, written as a PNG.
+// training-runs table in headless Chromium with every pipeline run expanded to its stage runs and the metric and
+// param columns to compare them by, written as a PNG.
 // Usage, from the project root with .venv/bin on PATH: node docs/screenshot.mjs EXPERIMENT OUT.png
 // (env CHROMIUM: the browser, default /usr/bin/chromium; the server always stops, whatever happens.)
 import { spawn } from "node:child_process";
@@ -57,31 +58,45 @@ try {
 
   const browser = await chromium.launch({ executablePath: process.env.CHROMIUM || "/usr/bin/chromium" });
   try {
-    const page = await browser.newPage({ viewport: { width: 1600, height: 900 } });
+    // What to compare, as columns of the runs table: the evaluate stages' top1, the training stages' last-epoch
+    // val_top1 and the param the two pipeline runs differ in (Created and Duration cannot be hidden). The table reads
+    // its columns, their order and widths and the expanded runs from the experiment page's state in localStorage,
+    // which its Columns selector and expanders save: seed that state before the page loads.
+    const col = (group, key) => `${group}.\`${key}\``;
+    const [name, dataset, source] = ["Run Name", "Dataset", "Source"].map((key) => col("attributes", key));
+    const [top1, valTop1] = ["top1", "val_top1"].map((key) => col("metrics", key));
+    const lr = col("params", "finetune.optimizer.lr_base");
+    const state = {
+      selectedColumns: [top1, valTop1, lr, dataset, source],
+      columnOrder: [name, "runDateAndNestInfo", top1, valTop1, lr, "duration", dataset, source],
+      columnWidths: {
+        [name]: 250, runDateAndNestInfo: 130, [top1]: 115, [valTop1]: 115, [lr]: 180, [dataset]: 270, [source]: 110,
+      },
+      runsExpanded: Object.fromEntries(runs.map((run) => [run.info.run_id, true])),
+    };
+    const key = `MLflowLocalStorage-1.1-ExperimentPage-${JSON.stringify([id])}-ReactComponentState`;
+    const context = await browser.newContext({
+      viewport: { width: 1600, height: 900 },
+      storageState: {
+        cookies: [], origins: [{ origin: base, localStorage: [{ name: key, value: JSON.stringify(state) }] }],
+      },
+    });
+    const page = await context.newPage();
     // workflowType=machine_learning: the training-runs table, not the GenAI overview.
     await page.goto(`${base}/#/experiments/${id}/runs?workflowType=machine_learning`);
-    const expanders = page.locator('button[data-component-id*="runnamecellrenderer"]'); // on parent runs only
-    await expanders.first().waitFor({ timeout: 60_000 });
+    const rows = page.locator('.ag-center-cols-container [role="row"]');
+    await rows.nth(runs.length).waitFor({ timeout: 60_000 }).catch((cause) => { // more rows than pipeline runs
+      throw new Error(`the runs table at ${page.url()} shows no stage rows under the pipeline runs`, { cause });
+    });
+    await page.locator(`.ag-header-cell[col-id="${top1}"]`).waitFor({ timeout: 10_000 }).catch((cause) => {
+      throw new Error("no top1 column: the runs table ignored the seeded state (a changed MLflow UI?)", { cause });
+    });
     const close = page.locator('button[data-component-id="mlflow.assistant.chat_panel.close"]');
     if (await close.isVisible()) await close.click(); // the assistant side panel takes a third of the width
-    const parents = await expanders.count();
-    for (let i = 0; i < parents; i++) await expanders.nth(i).click();
-    const rows = page.locator('.ag-center-cols-container [role="row"]');
-    await page.waitForFunction((n) => document.querySelectorAll('.ag-center-cols-container [role="row"]').length > n, parents);
-    // Widen the run-name column (stage names such as "evaluate@pretrain (cached)" are cut at its default width).
-    const handle = await page.locator('.ag-header-cell[col-id="attributes.`Run Name`"] .ag-header-cell-resize').boundingBox();
-    if (handle) {
-      const [x, y] = [handle.x + 2, handle.y + handle.height / 2]; // its left part: the next header overlaps the rest
-      await page.mouse.move(x, y);
-      await page.mouse.down();
-      await page.mouse.move(x + 90, y, { steps: 5 });
-      await page.mouse.up();
-    }
-    await page.mouse.move(0, 0); // no hover or focus decorations in the picture
-    await page.evaluate(() => document.activeElement?.blur());
+    await page.mouse.move(0, 0); // no hover decorations in the picture
     await page.waitForTimeout(1000); // the expanded rows' cells settle
     await page.screenshot({ path: out });
-    console.log(`${out}: ${parents} pipeline runs expanded, ${await rows.count()} rows shown`);
+    console.log(`${out}: ${runs.length} pipeline runs expanded, ${await rows.count()} rows shown`);
   } finally {
     await browser.close();
   }

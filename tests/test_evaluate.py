@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import DIGITS_RECORDS_PARAMS, PROJECT_ROOT, cpu_runtime, make_params
+from conftest import DIGITS_RECORDS_PARAMS, PROJECT_ROOT, cpu_runtime, fit_head_by_least_squares, make_params
 from mlflow import MlflowClient
 from PIL import Image
 from sklearn.metrics import confusion_matrix, log_loss, top_k_accuracy_score
@@ -175,16 +175,7 @@ def model_file(odd_records, tmp_path_factory) -> Path:
     """
     torch.manual_seed(0)
     model = models.build_model(make_params().model, NUM_CLASSES, IMG_SIZE).eval()
-    with torch.inference_mode():
-        batches = list(loader(odd_records, "train", 64))
-        features = torch.cat([model.forward_head(model.forward_features(batch["image"]), pre_logits=True) for batch in batches])
-        one_hot = nn.functional.one_hot(torch.cat([batch["label"] for batch in batches]), NUM_CLASSES).float()
-        mean = features.mean(dim=0)
-        weight = torch.linalg.lstsq(features - mean, one_hot - one_hot.mean(dim=0)).solution.T
-        model.head.weight.copy_(weight)
-        model.head.bias.copy_(one_hot.mean(dim=0) - weight @ mean)
-        model.aux_head.weight.zero_()
-        model.aux_head.bias.zero_()
+    fit_head_by_least_squares(model, list(loader(odd_records, "train", 64)))
     path = tmp_path_factory.mktemp("model") / "model.pt"
     models.save_model_file(
         path, model, model_cfg=make_params().model, img_size=IMG_SIZE, classes=records.read_classes(odd_records), stage="pretrain"

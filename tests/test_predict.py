@@ -12,7 +12,7 @@ from pathlib import Path
 import mlflow.pytorch
 import pytest
 import torch
-from conftest import cpu_runtime, make_params
+from conftest import cpu_runtime, fit_head_by_least_squares, make_params
 from mlflow import MlflowClient
 from PIL import Image
 from torch import nn
@@ -63,18 +63,7 @@ def model_file(digits_records, tmp_path_factory) -> Path:
         "train", digits_records, img_size=IMG_SIZE, batch_size=64, runtime=cpu_runtime(),
         loader_cfg=params.loader, augment_cfg=params.augment, crop_pct=CROP_PCT, seed=0,
     )
-    with torch.inference_mode():
-        batches = list(train_loader)
-        features = torch.cat(
-            [model.forward_head(model.forward_features(batch["image"]), pre_logits=True) for batch in batches]
-        )
-        one_hot = nn.functional.one_hot(torch.cat([batch["label"] for batch in batches]), len(classes)).float()
-        mean = features.mean(dim=0)
-        weight = torch.linalg.lstsq(features - mean, one_hot - one_hot.mean(dim=0)).solution.T
-        model.head.weight.copy_(weight)
-        model.head.bias.copy_(one_hot.mean(dim=0) - weight @ mean)
-        model.aux_head.weight.zero_()
-        model.aux_head.bias.zero_()
+    fit_head_by_least_squares(model, list(train_loader))
     path = tmp_path_factory.mktemp("model") / "model.pt"
     models.save_model_file(
         path, model, model_cfg=params.model, img_size=IMG_SIZE, classes=classes, stage="finetune",

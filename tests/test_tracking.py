@@ -325,6 +325,29 @@ def test_a_training_run_holds_its_datasets_curves_and_model_and_the_result_is_re
         load_logged_model(f"models:/{name}@nowhere")
 
 
+class DataDependent(torch.nn.Module):
+    """A model torch.export refuses: its control flow depends on the input's values."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(3, 2)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        pooled = images.mean(dim=(2, 3))
+        return self.linear(pooled) if pooled.sum() > 0 else -self.linear(pooled)
+
+
+def test_a_model_torch_export_refuses_is_one_warning_and_the_run_goes_on(workdir, store, request, caplog):
+    with Tracker("finetune", params_for(request), cpu_runtime(), metrics_dir=workdir / "m", param_sections=("seed",)) as tracker:
+        tracker.log_model(DataDependent(), {"img_size": 4, "classes": ["a", "b"]})
+        tracker.log_metrics({"val_top1": 50.0}, step=0)
+        tracker.log_curves()
+    run = client(store).get_run(tracker.run_id)
+    assert caplog.text.count("the model was not logged to MLflow") == 1 and "not usable" not in caplog.text
+    assert run.info.status == "FINISHED" and "model.id" not in run.data.tags
+    assert "curves.png" in {item.path for item in client(store).list_artifacts(tracker.run_id)}  # MLflow stayed on
+
+
 def test_lineage_without_a_usable_store_is_one_warning(workdir, request, monkeypatch, caplog):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "bogus://nowhere")
     assert record_lineage(params_for(request), lock_with({"teacher": "a" * 32})) == []

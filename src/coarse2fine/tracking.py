@@ -486,11 +486,15 @@ class Tracker:
                     # JSON tensor inputs: a warning on every run about a path this project does not use.
                     validate_serving_input=False,
                 )
-            self._client.update_run(self.run_id, status="RUNNING")  # start_run's exit ended it; __exit__ decides
-        except Exception as error:
-            self._without_mlflow(error)
-            return
-        self._mlflow("set_tag", self.run_id, MODEL_ID_TAG, info.model_id)
+        except Exception as error:  # torch.export refusing the model's code, or the store failing
+            logger.warning(
+                "warning: %s: the model was not logged to MLflow (%s); the model file holds it",
+                self.stage, _first_line(error),
+            )
+            info = None
+        self._mlflow("update_run", self.run_id, status="RUNNING")  # start_run's exit ended the run; __exit__ decides
+        if info is not None:
+            self._mlflow("set_tag", self.run_id, MODEL_ID_TAG, info.model_id)
 
     def log_curves(self) -> None:
         """The run's per-epoch curves (its DVCLive history) as curves.png."""

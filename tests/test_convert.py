@@ -253,6 +253,36 @@ def test_subset_is_stratified_seeded_and_keeps_one_per_class(digits_root):
     assert [file.label for file in tiny.files["train"]] == list(range(10))
 
 
+def test_photos_are_non_square_patches_of_18_photos_with_val_from_unseen_parts(tmp_path):
+    """data.source photos through the real conversion: 18 classes (one per photo), the counts asked for, the
+    shorter side `size`, colour and grey photos as they are; and no train patch overlaps the block val comes from."""
+    params = make_params(data={"source": "photos", "photos": {"size": 24, "train_per_class": 3, "val_per_class": 2}})
+    manifest = convert(params, cpu_runtime(), tmp_path / "records")
+    classes = records.read_classes(tmp_path / "records")
+    assert len(classes) == 18 and {"astronaut", "camera", "coffee", "text"} <= set(classes)
+    assert manifest["source"]["kind"] == "photos"
+    assert [manifest["splits"][split]["images"] for split in records.SPLITS] == [54, 36]
+    train = read_split(tmp_path / "records", "train")
+    assert {min(record["width"], record["height"]) for record in train} == {24}
+    assert len({(record["width"], record["height"]) for record in train}) > 1  # not all square
+    # PNG patches are stored as RGB JPEG: a grey photo's patch has (up to JPEG rounding) equal channels
+    greyness = {
+        int(np.ptp(np.asarray(Image.open(io.BytesIO(record["image"])).convert("RGB"), dtype=np.int16), axis=2).max())
+        <= 4
+        for record in train
+    }
+    assert greyness == {True, False}
+
+    rng = np.random.default_rng(0)
+    block = sources._held_out_block(300, 400, rng)
+    top, left, bottom, right = block
+    for _ in range(200):
+        y, x, h, w = sources._photo_patch(300, 400, block, False, rng)
+        assert y + h <= top or bottom <= y or x + w <= left or right <= x
+        y, x, h, w = sources._photo_patch(300, 400, block, True, rng)
+        assert top <= y and y + h <= bottom and left <= x and x + w <= right
+
+
 def test_bad_root_exits_2_with_one_line(tmp_path):
     missing = tmp_path / "no such dir"
     process = run_stage({"data": {"source": "imagefolder", "root": str(missing)}}, tmp_path / "params.yaml", tmp_path / "out")

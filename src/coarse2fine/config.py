@@ -58,10 +58,17 @@ class DigitsSource(Section):
     val_fraction: float = Field(0.2, gt=0, lt=1)
 
 
+class PhotosSource(Section):
+    size: int = Field(64, ge=16)  # shorter side of the written patches (the longer one follows their aspect)
+    train_per_class: int = Field(60, gt=0)
+    val_per_class: int = Field(15, gt=0)
+
+
 class Data(Section):
-    source: Literal["digits", "imagefolder"] = "digits"
+    source: Literal["digits", "photos", "imagefolder"] = "digits"
     root: str = ""  # imagefolder: a tree with train/<class>/* and val/<class>/*
     digits: DigitsSource = DigitsSource()
+    photos: PhotosSource = PhotosSource()
     subset: float = Field(1.0, gt=0, le=1)  # fraction kept per class (stratified, seeded)
     train_shards: int = Field(2, gt=0)
     val_shards: int = Field(1, gt=0)

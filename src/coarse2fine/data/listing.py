@@ -3,7 +3,8 @@
 
 For an ImageFolder: every visible file under the data root with its size and modification time (a stat per
 file, nothing read), hashed, as make and rsync judge a file changed. For digits: scikit-learn's version
-(the images are generated from its load_digits; the rest is in convert's params). convert depends on the
+(the images are generated from its load_digits; the rest is in convert's params); for photos, likewise
+scikit-image's version. convert depends on the
 result, so an image added, removed or replaced reruns convert and what follows; an unchanged tree gives the
 same bytes and leaves every stage cached. The teacher's weights file (teacher.mode import) is judged the same
 way, by its path, size and modification time, so replacing it reruns the teacher and what follows.
@@ -25,6 +26,8 @@ from coarse2fine.errors import UserError
 def source_state(data: Data) -> dict[str, Any]:
     if data.source == "digits":
         return {"kind": "digits", "scikit-learn": importlib.metadata.version("scikit-learn")}
+    if data.source == "photos":
+        return {"kind": "photos", "scikit-image": importlib.metadata.version("scikit-image")}
     root = Path(data.root)
     if not root.is_dir():
         raise UserError(f"data.root: {root}: data root not found (expected train/<class>/ and val/<class>/ folders)")

@@ -1,13 +1,16 @@
-"""Where the images come from: an ImageNet-style folder tree, or scikit-learn's digits written out as one.
+"""Where the images come from: an ImageNet-style folder tree, or one written out from images a package ships:
+scikit-learn's digits (the fast default, which saturates near 99 %) or patches of scikit-image's photographs
+(`photos`: hard enough that recipe features show their effect, see `write_photos`).
 
-Both become a `Source`: per split, the sorted candidate image files with their labels (after `data.subset`),
+Each becomes a `Source`: per split, the sorted candidate image files with their labels (after `data.subset`),
 the files skipped while listing (with the reason, for the manifest), and a description of the origin.
-Digits go through the same folder listing as real data, so the default pipeline exercises that path.
+Written sources go through the same folder listing as real data, so the default pipeline exercises that path.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.resources
 import os
 import random
 from dataclasses import dataclass
@@ -17,13 +20,25 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from coarse2fine.config import Data, DigitsSource
+from coarse2fine.config import Data, DigitsSource, PhotosSource
 from coarse2fine.data.records import SPLITS
 from coarse2fine.errors import UserError
 
 # Extensions of the formats PIL can open (not just save); anything else is listed as skipped, not guessed at.
 IMAGE_SUFFIXES = frozenset(ext for ext, fmt in Image.registered_extensions().items() if fmt in Image.OPEN)
 DIGITS_GREY_LEVELS = 16  # load_digits pixels are 0..16
+
+# The 18 photographs scikit-image ships in its wheel (files of its skimage.data package: nothing is downloaded),
+# one class each; 9 are colour, 9 grey. Left out: drawings and synthetic images (logo, color, chessboards,
+# phantom, horse's silhouette), microaneurysms (102 px) and the second motorcycle view (a near-twin of the first).
+PHOTOS = (
+    "astronaut.png", "brick.png", "camera.png", "cell.png", "chelsea.png", "clock_motion.png", "coffee.png",
+    "coins.png", "grass.png", "gravel.png", "hubble_deep_field.jpg", "ihc.png", "moon.png", "motorcycle_left.png",
+    "page.png", "retina.jpg", "rocket.jpg", "text.png",
+)
+PHOTO_PATCH_SIDES = (0.2, 0.45)  # a patch's shorter side, as a fraction of the photo's shorter side
+PHOTO_PATCH_RATIOS = (3 / 4, 4 / 3)  # width / height: patches are not square, as real photos are not
+PHOTO_VAL_BLOCK = 0.45  # the held-out block's side, as a fraction of each side of the photo
 
 
 @dataclass(frozen=True)
@@ -51,9 +66,13 @@ def open_source(data: Data, seed: int, scratch: Path) -> Source:
     """The images `data` describes; digits are first written as PNGs under `scratch` (caller's temp dir)."""
     if data.source == "imagefolder":
         return list_imagefolder(Path(data.root), subset=data.subset, seed=seed)
-    write_digits(scratch, data.digits, seed)
+    if data.source == "photos":
+        write_photos(scratch, data.photos, seed)
+        description = {"kind": "photos", **data.photos.model_dump()}
+    else:
+        write_digits(scratch, data.digits, seed)
+        description = {"kind": "digits", **data.digits.model_dump()}
     source = list_imagefolder(scratch, subset=data.subset, seed=seed)
-    description = {"kind": "digits", "size": data.digits.size, "val_fraction": data.digits.val_fraction}
     return dataclasses.replace(source, description=description)
 
 
@@ -75,6 +94,58 @@ def write_digits(directory: Path, digits: DigitsSource, seed: int) -> None:
             folder.mkdir(parents=True, exist_ok=True)
             image = Image.fromarray(images[sample_id]).resize((digits.size, digits.size), Image.Resampling.BICUBIC)
             image.save(folder / f"{sample_id:05d}.png")
+
+
+def write_photos(directory: Path, photos: PhotosSource, seed: int) -> None:
+    """Patches of scikit-image's photographs as `directory/{train,val}/<photo>/<n>.png`: the class is the photo a
+    patch was cut from. Each patch is a seeded random rectangle (its shorter side PHOTO_PATCH_SIDES of the photo's,
+    its aspect ratio in PHOTO_PATCH_RATIOS) resized so its shorter side is `photos.size`. Val patches come from one
+    seeded block of each photo that no train patch overlaps, so val measures recognition of unseen parts of a
+    scene, not of pixels seen in training; colour photos stay colour, grey ones grey."""
+    photo_dir = importlib.resources.files("skimage.data")  # read as files: importing scikit-image takes a second
+    rng = np.random.default_rng(seed)
+    for file_name in PHOTOS:
+        name = file_name.rsplit(".", 1)[0]
+        with Image.open(photo_dir / file_name) as opened:
+            photo = np.asarray(opened)
+        height, width = photo.shape[:2]
+        block = _held_out_block(height, width, rng)
+        for split, count in (("train", photos.train_per_class), ("val", photos.val_per_class)):
+            folder = directory / split / name
+            folder.mkdir(parents=True, exist_ok=True)
+            for number in range(count):
+                top, left, patch_height, patch_width = _photo_patch(height, width, block, split == "val", rng)
+                patch = Image.fromarray(photo[top : top + patch_height, left : left + patch_width])
+                scale = photos.size / min(patch_height, patch_width)
+                size = (round(patch_width * scale), round(patch_height * scale))
+                patch.resize(size, Image.Resampling.BICUBIC, reducing_gap=3.0).save(folder / f"{number:04d}.png")
+
+
+def _held_out_block(height: int, width: int, rng: np.random.Generator) -> tuple[int, int, int, int]:
+    """(top, left, bottom, right) of the block val patches are cut from, away from no edge in particular."""
+    block_height, block_width = round(height * PHOTO_VAL_BLOCK), round(width * PHOTO_VAL_BLOCK)
+    top, left = int(rng.integers(0, height - block_height + 1)), int(rng.integers(0, width - block_width + 1))
+    return top, left, top + block_height, left + block_width
+
+
+def _photo_patch(
+    height: int, width: int, block: tuple[int, int, int, int], inside: bool, rng: np.random.Generator
+) -> tuple[int, int, int, int]:
+    """A random (top, left, height, width) patch inside the held-out block (val) or not overlapping it (train)."""
+    block_top, block_left, block_bottom, block_right = block
+    area_height, area_width = (block_bottom - block_top, block_right - block_left) if inside else (height, width)
+    while True:
+        side = rng.uniform(*PHOTO_PATCH_SIDES) * min(height, width)
+        ratio = np.exp(rng.uniform(*np.log(PHOTO_PATCH_RATIOS)))
+        patch_height = min(area_height, round(side if ratio >= 1 else side / ratio))
+        patch_width = min(area_width, round(side * ratio if ratio >= 1 else side))
+        top = int(rng.integers(0, area_height - patch_height + 1))
+        left = int(rng.integers(0, area_width - patch_width + 1))
+        if inside:
+            return block_top + top, block_left + left, patch_height, patch_width
+        overlaps = top < block_bottom and block_top < top + patch_height and left < block_right and block_left < left + patch_width
+        if not overlaps:
+            return top, left, patch_height, patch_width
 
 
 def list_imagefolder(root: Path, *, subset: float, seed: int) -> Source:

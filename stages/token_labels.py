@@ -1,13 +1,16 @@
 """Token labels (params token_labels.*): the teacher's top-k dense scores for every train record, in data/token_labels.
 
 Ranks split the records; a killed run resumes from its last finished chunk (data/token_labels_partial);
-1 or N ranks write the same bytes. Metrics: the teacher's dense top-1 (spatially averaged map vs the label),
-bytes per image and what the same settings would take for ImageNet-1K, generation img/s.
+1 or N ranks write the same bytes. Metrics: the teacher's dense top-1 (spatially averaged map vs the label) and
+its cells' top-1, what the student will be taught against what the teacher said (entropy and top-1 of the
+whole-image target from the store vs the teacher's own prediction, the probability the top k leave), bytes per
+image and what the same settings would take for ImageNet-1K, generation img/s.
 """
 
 import argparse
 import hashlib
 import json
+import math
 from pathlib import Path
 
 from coarse2fine import cli, distributed, models, provenance
@@ -54,9 +57,16 @@ def main(params: Params, args: argparse.Namespace) -> None:
             tracker.log_summary(metrics)
             if runtime.is_main:
                 print(
-                    f"token_labels: {metrics['images']} images, teacher dense top-1 {metrics['dense_top1']:.2f} %, "
-                    f"{metrics['bytes_per_image']} bytes/image (ImageNet-1K: {metrics['imagenet_gb']:.2f} GB, "
-                    f"the reference's {REFERENCE_IMAGENET_BYTES / 1e9:.1f} GB), {metrics['img_per_s']:.0f} img/s",
+                    f"token_labels: {metrics['images']} images, teacher dense top-1 {metrics['dense_top1']:.2f} % "
+                    f"(cells {metrics['cell_top1']:.2f} %), entropy {metrics['teacher_entropy']:.3f} nats; the "
+                    f"targets it gives: top-1 {metrics['target_top1']:.2f} %, entropy {metrics['target_entropy']:.3f} "
+                    f"(uniform {math.log(len(classes)):.3f}); the top {cfg.top_k} leave {metrics['outside_top_k']:.3f} "
+                    f"of each cell's probability",
+                    flush=True,
+                )
+                print(
+                    f"token_labels: {metrics['bytes_per_image']} bytes/image (ImageNet-1K: {metrics['imagenet_gb']:.2f} "
+                    f"GB, the reference's {REFERENCE_IMAGENET_BYTES / 1e9:.1f} GB), {metrics['img_per_s']:.0f} img/s",
                     flush=True,
                 )
 

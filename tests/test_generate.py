@@ -238,7 +238,7 @@ def crashing_after(calls: int, head):
 
 
 def store_bytes(directory: Path) -> dict[str, bytes]:
-    return {name: (directory / name).read_bytes() for name in (store.LOGITS_FILE, store.CLASSES_FILE, store.HEADER_FILE)}
+    return {name: (directory / name).read_bytes() for name in (store.LOG_PROBS_FILE, store.CLASSES_FILE, store.HEADER_FILE)}
 
 
 def random_teacher(num_classes: int) -> torch.nn.Module:
@@ -249,7 +249,7 @@ def random_teacher(num_classes: int) -> torch.nn.Module:
 def test_a_crashed_generation_resumes_to_the_same_bytes(digits_records, tmp_path, capsys):
     head = dense_head(random_teacher(10))
     whole = generate_store(digits_records, tmp_path / "whole" / "labels", head=head)
-    assert whole.generated == whole.images == 434
+    assert whole.generated == whole.metrics()["images"] == 434
     # 434 records in chunks of 16 batches x 8 = 128: 4 chunks. Crash in the middle of the second one
     # (call 0 measures the grid).
     with pytest.raises(Crash):
@@ -257,8 +257,8 @@ def test_a_crashed_generation_resumes_to_the_same_bytes(digits_records, tmp_path
     assert not (tmp_path / "crashed" / "labels").exists()
     resumed = generate_store(digits_records, tmp_path / "crashed" / "labels", head=head)
     assert "resuming, 1 of 4 chunks done" in capsys.readouterr().out
-    assert resumed.generated == 434 - 128 and resumed.images == 434
-    assert resumed.dense_correct == whole.dense_correct
+    assert resumed.generated == 434 - 128 and resumed.metrics()["images"] == 434
+    assert resumed.sums == pytest.approx(whole.sums)  # every statistic, the killed run's chunks included
     assert store_bytes(tmp_path / "crashed" / "labels") == store_bytes(tmp_path / "whole" / "labels")
     assert list((tmp_path / "crashed" / "labels_partial").iterdir()) == []  # emptied once published
 
@@ -272,11 +272,27 @@ def test_a_crashed_generation_resumes_to_the_same_bytes(digits_records, tmp_path
 def test_store_metrics_and_header(digits_records, tmp_path):
     result = generate_store(digits_records, tmp_path / "labels", head=dense_head(random_teacher(10)))
     metrics = result.metrics()
-    assert metrics["bytes_per_image"] == 2 * 4 * 4 * (2 + 2)  # top-2 x 4 x 4 cells x (fp16 logit + int16 class)
+    assert metrics["bytes_per_image"] == 2 * 4 * 4 * (2 + 2)  # top-2 x 4 x 4 cells x (fp16 log-probability + int16 class)
     assert metrics["imagenet_gb"] == pytest.approx(metrics["bytes_per_image"] * IMAGENET_TRAIN_IMAGES / 1e9)
     assert 0 <= metrics["dense_top1"] <= 100 and metrics["img_per_s"] > 0
     header = json.loads((tmp_path / "labels" / store.HEADER_FILE).read_text())
     assert header == {"records": 434, "top_k": 2, "grid": 4, "num_classes": 10}
+
+
+def test_store_metrics_say_what_the_student_is_taught_against_what_the_teacher_said(digits_records, tmp_path):
+    """One fixed score map for every image: the teacher's prediction, its entropy and what the top 2 leave are
+    known; the class target built from the store keeps the teacher's top-1 and (nearly) its entropy."""
+    scores = torch.randn(1, 10, 4, 4, generator=torch.Generator().manual_seed(0)) * 2
+    metrics = generate_store(
+        digits_records, tmp_path / "labels", head=lambda images: scores.expand(len(images), -1, -1, -1)
+    ).metrics()
+    teacher = scores.mean(dim=(2, 3)).softmax(-1)[0]
+    assert metrics["teacher_entropy"] == pytest.approx(float(targets.entropy(teacher)), rel=1e-4)
+    left = 1 - scores.softmax(1).topk(2, dim=1).values.sum(1)
+    assert metrics["outside_top_k"] == pytest.approx(float(left.mean()), rel=1e-4)
+    assert abs(metrics["target_entropy"] - metrics["teacher_entropy"]) < 0.1
+    assert metrics["target_top1"] == metrics["dense_top1"]  # one prediction, so each is 0 or 100 per class share
+    assert metrics["cell_top1"] <= 100
 
 
 def run_token_labels_stage(tmp_path: Path, records_dir: Path, teacher_file: Path, nproc: int) -> Path:

@@ -69,9 +69,9 @@ def build_trainer(params, stage: str, model, img_size: int, tmp_path: Path) -> t
     objective = None
     if cfg.token_label.enabled:  # a store of random teacher scores, as the token_labels stage writes one
         top_k, grid = params.token_labels.top_k, 2
-        logits = torch.randn(BATCH, top_k, grid, grid).numpy().astype("float16")
-        classes = torch.randint(0, CLASSES, (BATCH, top_k, grid, grid)).numpy()
-        store.write_store(tmp_path / stage, logits, classes, CLASSES)
+        scores = torch.randn(BATCH, CLASSES, grid, grid).log_softmax(dim=1)
+        log_probs, classes = (part.numpy() for part in scores.topk(top_k, dim=1))
+        store.write_store(tmp_path / stage, log_probs.astype("float16"), classes, CLASSES)
         labels = store.TokenLabelStore(tmp_path / stage, records=BATCH, num_classes=CLASSES)
         objective = losses.TokenLabelObjective.from_params(labels, cfg)
     batch = OneBatch(synthetic_batch(img_size))

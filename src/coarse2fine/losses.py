@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 from timm.data import Mixup
@@ -21,12 +22,17 @@ from timm.loss import SoftTargetCrossEntropy
 
 from coarse2fine import config
 from coarse2fine.labels.store import TokenLabelStore
-from coarse2fine.labels.targets import smooth, token_targets
+from coarse2fine.labels.targets import entropy, smooth, token_targets
 from coarse2fine.models import TrainOutput
 
 
 # Mean over every leading dimension (samples, and tokens for [B, N, C]) of -sum(target * log_softmax(logits)).
 soft_cross_entropy = SoftTargetCrossEntropy()
+
+
+# What TokenLabelObjective reports of its targets each epoch (Trainer metrics, in MLflow and metrics/<stage>):
+# flat targets (entropy near log C) or targets that disagree with the labels show there without a second run.
+TARGET_METRICS = ("target_entropy", "token_target_entropy", "target_top1", "token_target_top1")
 
 
 def mix_token_lam(box: tuple[int, int, int, int], token_grid: int) -> float:
@@ -56,6 +62,9 @@ class GroundTruthObjective:
         images, targets = self.mixup(batch["image"], batch["label"])
         return {**batch, "image": images, "target": targets}
 
+    def target_metrics(self, all_reduce_sum: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, float]:
+        return {}  # one-hot (smoothed or mixed) targets: nothing a user needs to watch
+
     def __call__(self, output: TrainOutput, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         # The logits inference uses (class + 0.5 x best token), which also gives the aux head a gradient, as
         # DDP requires of every parameter.
@@ -80,6 +89,7 @@ class TokenLabelObjective:
         self.store = store
         self.label_smoothing, self.cls_weight, self.dense_weight = label_smoothing, cls_weight, dense_weight
         self.ground_truth_mix = ground_truth_mix
+        self.target_sums: torch.Tensor | None = None  # TARGET_METRICS' sums, then the sample count
 
     @classmethod
     def from_params(cls, store: TokenLabelStore, cfg: config.Pretrain) -> TokenLabelObjective:
@@ -95,10 +105,10 @@ class TokenLabelObjective:
     def __call__(self, output: TrainOutput, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         device = output.cls_logits.device
         token_grid = math.isqrt(output.aux_logits.shape[1])
-        logits, classes = self.store.lookup(batch["index"])
+        log_probs, classes = self.store.lookup(batch["index"])
         with torch.autocast(device.type, enabled=False):  # targets in fp32 whatever the model runs in
             targets = token_targets(
-                logits.to(device), classes.to(device), batch["window"], batch["flip"], batch["affine"],
+                log_probs.to(device), classes.to(device), batch["window"], batch["flip"], batch["affine"],
                 num_classes=self.store.num_classes, token_grid=token_grid, smoothing=self.label_smoothing,
             )
         cls_target = targets.cls
@@ -107,9 +117,31 @@ class TokenLabelObjective:
         lam = mix_token_lam(output.mix_box, token_grid)
         if lam < 1.0:  # sample i's crop holds sample B-1-i's tokens inside the box
             cls_target = lam * cls_target + (1.0 - lam) * cls_target.flip(0)
+        self._add_target_sums(cls_target, targets.tokens, batch["label"])
         return self.cls_weight * soft_cross_entropy(output.cls_logits, cls_target) + (
             self.dense_weight * soft_cross_entropy(output.aux_logits, targets.tokens)
         )
+
+    def _add_target_sums(self, cls_target: torch.Tensor, tokens: torch.Tensor, labels: torch.Tensor) -> None:
+        """Sums on the device (no synchronisation in the step) of what the student is taught, as trained: the class
+        target after ground-truth mixing and MixToken, the token targets, both with their smoothing."""
+        with torch.no_grad():
+            sums = torch.stack([
+                entropy(cls_target).sum(),
+                entropy(tokens).mean(dim=1).sum(),
+                (cls_target.argmax(dim=-1) == labels).sum(),
+                (tokens.argmax(dim=-1) == labels.unsqueeze(1)).float().mean(dim=1).sum(),
+                cls_target.new_tensor(float(len(labels))),
+            ]).float()
+        self.target_sums = sums if self.target_sums is None else self.target_sums + sums
+
+    def target_metrics(self, all_reduce_sum: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, float]:
+        """The epoch's mean entropy (nats) and top-1 (% agreeing with the label) of the class and token targets."""
+        if self.target_sums is None:
+            return {}
+        sums, self.target_sums = all_reduce_sum(self.target_sums), None
+        means = (sums[:-1] / sums[-1]).tolist()
+        return {name: value * (100.0 if name.endswith("top1") else 1.0) for name, value in zip(TARGET_METRICS, means)}
 
 
 def mix_ground_truth(teacher: torch.Tensor, labels: torch.Tensor, smoothing: float) -> torch.Tensor:

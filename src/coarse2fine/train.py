@@ -31,7 +31,7 @@ import math
 import random
 import time
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Protocol, Sequence
+from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -62,6 +62,9 @@ class Objective(Protocol):
 
     def prepare(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
     def __call__(self, output: models.TrainOutput, batch: dict[str, torch.Tensor]) -> torch.Tensor: ...
+    def target_metrics(self, all_reduce_sum: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, float]:
+        """What the targets taught since the last call, over every rank (e.g. their entropy); {} for none."""
+        ...
 
 
 class Loader(Protocol):
@@ -248,6 +251,7 @@ class Trainer:
             "lr": self._current_lr(),
             "train_img_per_s": totals[1].item() / seconds,
             "epoch_seconds": seconds,
+            **self.objective.target_metrics(distributed.all_reduce_sum),
         }
 
     def backward(self, batch: dict[str, torch.Tensor], micro_steps: int, sync: bool) -> torch.Tensor:

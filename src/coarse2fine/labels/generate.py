@@ -45,7 +45,7 @@ from coarse2fine.data.torch_pipeline import ShardReader
 from coarse2fine.distributed import Runtime
 from coarse2fine.errors import UserError
 from coarse2fine.files import write_json
-from coarse2fine.labels import store
+from coarse2fine.labels import store, targets
 from coarse2fine.progress import progress
 
 CHUNK_BATCHES = 16  # batches per resumable unit of work
@@ -130,21 +130,53 @@ class TrainRecords(Dataset):
         return self.view(image), int(record["label"][0]), int(record["index"][0])
 
 
+def label_statistics(
+    scores: torch.Tensor, log_probs: torch.Tensor, classes: torch.Tensor, labels: torch.Tensor
+) -> dict[str, float]:
+    """Sums over a batch of what the store keeps against what the teacher said: `scores` [B, C, s, s] are the
+    teacher's dense logits, `log_probs`/`classes` [B, k, s, s] the stored top k of them, `labels` [B].
+    - teacher_*: the teacher's own prediction for the whole image (the softmax of its mean logits) and its cells';
+    - target_*: the class target the student would get for the whole image from the store (smoothing aside);
+    - outside_top_k: the probability per cell the teacher gave the classes the store does not name."""
+    probabilities = scores.float().softmax(dim=1)
+    teacher = scores.float().mean(dim=(2, 3)).softmax(dim=1)
+    whole = torch.tensor([[0.0, 0.0, 1.0, 1.0]], device=scores.device).expand(len(scores), 4)
+    no_flip = torch.zeros(len(scores), dtype=torch.bool, device=scores.device)
+    identity = torch.eye(2, 3, device=scores.device).expand(len(scores), 2, 3)
+    target = targets.token_targets(
+        log_probs, classes, whole, no_flip, identity, num_classes=scores.shape[1], token_grid=1, smoothing=0.0
+    ).cls
+    return {
+        "images": float(len(scores)),
+        "dense_correct": float((teacher.argmax(dim=1) == labels).sum()),
+        "cells_correct": float((scores.argmax(dim=1) == labels.view(-1, 1, 1)).float().mean(dim=(1, 2)).sum()),
+        "teacher_entropy": float(targets.entropy(teacher).sum()),
+        "target_entropy": float(targets.entropy(target).sum()),
+        "target_correct": float((target.argmax(dim=1) == labels).sum()),
+        "outside_top_k": float((1 - probabilities.topk(log_probs.shape[1], dim=1).values.sum(dim=1)).mean(dim=(1, 2)).sum()),
+    }
+
+
 @dataclass(frozen=True)
 class Generation:
     """What one run of `generate` did, summed over ranks and chunks (also over the chunks of a killed run)."""
 
-    images: int
-    dense_correct: int
+    sums: dict[str, float]  # label_statistics' sums over every image
     generated: int  # images this run generated (the rest came from a killed run's chunks)
     seconds: float
     bytes_per_image: int
 
     def metrics(self) -> dict[str, float | int]:
+        images = self.sums["images"]
         imagenet_bytes = self.bytes_per_image * IMAGENET_TRAIN_IMAGES
         return {
-            "images": self.images,
-            "dense_top1": 100.0 * self.dense_correct / self.images,
+            "images": int(images),
+            "dense_top1": 100.0 * self.sums["dense_correct"] / images,
+            "cell_top1": 100.0 * self.sums["cells_correct"] / images,
+            "teacher_entropy": self.sums["teacher_entropy"] / images,
+            "target_entropy": self.sums["target_entropy"] / images,
+            "target_top1": 100.0 * self.sums["target_correct"] / images,
+            "outside_top_k": self.sums["outside_top_k"] / images,
             "bytes_per_image": self.bytes_per_image,
             "img_per_s": self.generated / self.seconds if self.seconds > 0 else 0.0,
             "imagenet_gb": imagenet_bytes / 1e9,
@@ -197,7 +229,7 @@ def generate(
     mean = torch.tensor(IMAGE_MEAN, device=runtime.device).view(1, 3, 1, 1) * 255
     std = torch.tensor(IMAGE_STD, device=runtime.device).view(1, 3, 1, 1) * 255
     start_time = time.perf_counter()
-    chunk_stats = {"images": 0, "dense_correct": 0}
+    chunk_stats: dict[str, float] = {}
     generated = 0
     bar = progress(loader, total=len(batches), desc="token_labels", disable=not runtime.is_main)
     for (images, labels, indices), positions in zip(bar, batches):  # the bar first: it closes when exhausted
@@ -205,16 +237,16 @@ def generate(
         autocast = torch.autocast(runtime.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None)
         with torch.inference_mode(), autocast:
             scores = head(images).float()
-        values, classes = scores.topk(top_k, dim=1)
-        predicted = scores.mean(dim=(2, 3)).argmax(dim=1).cpu()
-        arrays.write(indices.numpy(), values.cpu().numpy().astype(np.float16), classes.cpu().numpy())
-        chunk_stats["images"] += len(indices)
-        chunk_stats["dense_correct"] += int((predicted == labels).sum())
+        log_probs, classes = scores.log_softmax(dim=1).topk(top_k, dim=1)
+        log_probs = log_probs.to(torch.float16)
+        arrays.write(indices.numpy(), log_probs.cpu().numpy(), classes.cpu().numpy())
+        for name, value in label_statistics(scores, log_probs, classes, labels.to(scores.device)).items():
+            chunk_stats[name] = chunk_stats.get(name, 0.0) + value
         generated += len(indices)
         if positions[-1] + 1 == min((positions[0] // chunk + 1) * chunk, len(dataset)):  # the chunk's last batch
             arrays.flush()
             write_json(_marker(work_dir, positions[0] // chunk), chunk_stats)
-            chunk_stats = {"images": 0, "dense_correct": 0}
+            chunk_stats = {}
     seconds = time.perf_counter() - start_time
 
     totals = distributed.all_reduce_sum(torch.tensor([float(generated), seconds]))
@@ -224,11 +256,10 @@ def generate(
     if len(stats) != num_chunks:
         raise RuntimeError(f"{work_dir}: {num_chunks - len(stats)} chunks without a marker after every rank finished")
     result = Generation(
-        images=sum(item["images"] for item in stats),
-        dense_correct=sum(item["dense_correct"] for item in stats),
+        sums={name: sum(item[name] for item in stats) for name in stats[0]},
         generated=int(totals[0]),
         seconds=float(totals[1]) / runtime.world_size,  # ranks run side by side: their mean wall time
-        bytes_per_image=arrays.logits[0].nbytes + arrays.classes[0].nbytes,
+        bytes_per_image=arrays.log_probs[0].nbytes + arrays.classes[0].nbytes,
     )
     if runtime.is_main:
         _publish(work_dir, out_dir, arrays, num_classes, header)
@@ -255,7 +286,7 @@ def _prepare_work_dir(work_dir: Path, inputs: dict[str, Any], shape: tuple[int, 
     try:
         if json.loads(inputs_file.read_text()) == inputs:
             arrays = store.open_arrays(work_dir, mode="r")
-            if arrays.logits.shape == arrays.classes.shape == shape[:2] + (shape[2], shape[2]):
+            if arrays.log_probs.shape == arrays.classes.shape == shape[:2] + (shape[2], shape[2]):
                 return len(list((work_dir / DONE_DIR).glob("chunk-*.json")))
     except (OSError, ValueError):
         pass
@@ -273,7 +304,7 @@ def _publish(
     """Move the finished arrays into `out_dir`, header last; then empty the work dir (DVC wants it to exist)."""
     shutil.rmtree(out_dir, ignore_errors=True)
     out_dir.mkdir(parents=True)
-    for name in (store.LOGITS_FILE, store.CLASSES_FILE):
+    for name in (store.LOG_PROBS_FILE, store.CLASSES_FILE):
         (work_dir / name).replace(out_dir / name)
     store.write_header(out_dir, arrays, num_classes, **header)
     shutil.rmtree(work_dir)

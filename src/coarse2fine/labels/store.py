@@ -1,10 +1,12 @@
-"""The token-label store: for every train record, the teacher's top-k class logits on its score grid.
+"""The token-label store: for every train record, the teacher's top-k class log-probabilities on its score grid.
 
 A directory holding
     header.json   {"records": N, "top_k": k, "grid": s, "num_classes": C, ...}: written last, the marker of a
                   complete store; the generator adds the teacher (name, input size, view), the records' manifest
                   digest and the fingerprint of what made it
-    logits.npy    float16 [N, k, s, s]: the teacher's top-k logits per grid cell, best first
+    log_probs.npy float16 [N, k, s, s]: the teacher's top-k log-probabilities per grid cell (log_softmax over every
+                  class, so what the top k leave is known: labels.targets spreads it over the other classes), best
+                  first
     classes.npy   int16 (int32 beyond 32767 classes) [N, k, s, s]: their class indices
 Row i belongs to the train record with index i (records.py numbers a split's records 0..N-1), so a batch's
 labels are one fancy-indexed read of two memory-mapped arrays, not 1.28 M small files. Class indices are
@@ -25,7 +27,7 @@ import torch
 from coarse2fine.errors import UserError
 from coarse2fine.files import atomic_path
 
-HEADER_FILE, LOGITS_FILE, CLASSES_FILE = "header.json", "logits.npy", "classes.npy"
+HEADER_FILE, LOG_PROBS_FILE, CLASSES_FILE = "header.json", "log_probs.npy", "classes.npy"
 
 
 def class_dtype(num_classes: int) -> np.dtype:
@@ -37,32 +39,32 @@ def allocate_arrays(directory: str | Path, records: int, top_k: int, grid: int, 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     shape = (records, top_k, grid, grid)
-    for name, dtype in ((LOGITS_FILE, np.float16), (CLASSES_FILE, class_dtype(num_classes))):
+    for name, dtype in ((LOG_PROBS_FILE, np.float16), (CLASSES_FILE, class_dtype(num_classes))):
         np.lib.format.open_memmap(directory / name, mode="w+", dtype=dtype, shape=shape).flush()
     return open_arrays(directory)
 
 
 class StoreArrays(NamedTuple):
-    logits: np.memmap   # float16 [N, k, s, s]
+    log_probs: np.memmap  # float16 [N, k, s, s]
     classes: np.memmap  # int16 / int32 [N, k, s, s]
 
-    def write(self, rows: np.ndarray, logits: np.ndarray, classes: np.ndarray) -> None:
-        self.logits[rows] = logits
+    def write(self, rows: np.ndarray, log_probs: np.ndarray, classes: np.ndarray) -> None:
+        self.log_probs[rows] = log_probs
         self.classes[rows] = classes
 
     def flush(self) -> None:
-        self.logits.flush()
+        self.log_probs.flush()
         self.classes.flush()
 
 
 def open_arrays(directory: str | Path, mode: str = "r+") -> StoreArrays:
     directory = Path(directory)
-    return StoreArrays(*(np.load(directory / name, mmap_mode=mode) for name in (LOGITS_FILE, CLASSES_FILE)))
+    return StoreArrays(*(np.load(directory / name, mmap_mode=mode) for name in (LOG_PROBS_FILE, CLASSES_FILE)))
 
 
 def write_header(directory: str | Path, arrays: StoreArrays, num_classes: int, **extra: Any) -> None:
     """The header, atomically: what makes the directory a store."""
-    records, top_k, grid, _ = arrays.logits.shape
+    records, top_k, grid, _ = arrays.log_probs.shape
     header = {"records": records, "top_k": top_k, "grid": grid, "num_classes": num_classes, **extra}
     with atomic_path(Path(directory) / HEADER_FILE) as temporary:
         Path(temporary).write_text(json.dumps(header, indent=2) + "\n")
@@ -76,19 +78,19 @@ def header_digest(directory: str | Path) -> str:
         raise UserError(f"{directory}: not a readable token-label store ({error})") from None
 
 
-def write_store(directory: str | Path, logits: np.ndarray, classes: np.ndarray, num_classes: int, **extra: Any) -> None:
-    """Write a whole store from in-memory arrays. `logits`/`classes`: [N, k, s, s]."""
-    if logits.shape != classes.shape or logits.ndim != 4 or logits.shape[2] != logits.shape[3]:
-        raise ValueError(f"logits {logits.shape} and classes {classes.shape} must both be [N, k, s, s]")
-    records, top_k, grid, _ = logits.shape
+def write_store(directory: str | Path, log_probs: np.ndarray, classes: np.ndarray, num_classes: int, **extra: Any) -> None:
+    """Write a whole store from in-memory arrays. `log_probs`/`classes`: [N, k, s, s]."""
+    if log_probs.shape != classes.shape or log_probs.ndim != 4 or log_probs.shape[2] != log_probs.shape[3]:
+        raise ValueError(f"log_probs {log_probs.shape} and classes {classes.shape} must both be [N, k, s, s]")
+    records, top_k, grid, _ = log_probs.shape
     arrays = allocate_arrays(directory, records, top_k, grid, num_classes)
-    arrays.write(np.arange(records), logits, classes)
+    arrays.write(np.arange(records), log_probs, classes)
     arrays.flush()
     write_header(directory, arrays, num_classes, **extra)
 
 
 class TokenLabelStore:
-    """Read side: `store.lookup(record_indices)` -> (logits float32, classes int64), both [B, k, s, s]."""
+    """Read side: `store.lookup(record_indices)` -> (log-probabilities float32, classes int64), both [B, k, s, s]."""
 
     def __init__(self, directory: str | Path, *, records: int, num_classes: int, records_digest: str | None = None):
         directory = Path(directory)
@@ -96,16 +98,16 @@ class TokenLabelStore:
             raise UserError(f"{directory}: no token labels ({HEADER_FILE} missing); run the token_labels stage first")
         try:
             header = json.loads((directory / HEADER_FILE).read_text())
-            self.logits = np.load(directory / LOGITS_FILE, mmap_mode="r")
+            self.log_probs = np.load(directory / LOG_PROBS_FILE, mmap_mode="r")
             self.classes = np.load(directory / CLASSES_FILE, mmap_mode="r")
         except (OSError, ValueError) as error:
             raise UserError(f"{directory}: not a readable token-label store ({error})") from None
         self.header = header
         self.top_k, self.grid = header["top_k"], header["grid"]
         expected = (records, self.top_k, self.grid, self.grid)
-        if header["records"] != records or self.logits.shape != expected or self.classes.shape != expected:
+        if header["records"] != records or self.log_probs.shape != expected or self.classes.shape != expected:
             raise UserError(
-                f"{directory}: token labels for {header['records']} records of shape {self.logits.shape}, "
+                f"{directory}: token labels for {header['records']} records of shape {self.log_probs.shape}, "
                 f"but the train split has {records} records: regenerate them for these records"
             )
         if records_digest is not None and header.get("records_digest") != records_digest:
@@ -118,6 +120,6 @@ class TokenLabelStore:
 
     def lookup(self, record_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         rows = record_indices.cpu().numpy()
-        logits = torch.from_numpy(self.logits[rows].astype(np.float32))
+        log_probs = torch.from_numpy(self.log_probs[rows].astype(np.float32))
         classes = torch.from_numpy(self.classes[rows].astype(np.int64))
-        return logits, classes
+        return log_probs, classes

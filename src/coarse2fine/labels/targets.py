@@ -1,14 +1,24 @@
 """Per-batch token-labeling targets, computed on the batch's device from the teacher's top-k score maps.
 
-For each sample: scatter its top-k logits into a dense [C, s, s] map (other classes 0), cut out the crop
-window the loader took (roi_align, bilinear, sub-cell exact) at the model's token grid S x S and at 1 x 1 for
-the whole crop, mirror the token map if the image was flipped, softmax over classes, label smoothing.
+For each sample: rebuild its dense [C, s, s] map of log-probabilities from the stored top k (`dense_maps`), cut
+out the crop window the loader took (roi_align, bilinear, sub-cell exact) at the model's token grid S x S and at
+1 x 1 for the whole crop, mirror the token map if the image was flipped, softmax over classes, label smoothing.
+Averaging log-probabilities over a window and taking the softmax is exactly the teacher's prediction for that
+region when every class is kept (each cell's normaliser is the same for all classes, so it cancels), as for
+the average-pooled logits of a CNN.
 A sample whose RandAugment drew a geometric op (its `affine` is not the identity) has its window cut out
 `SUPERSAMPLING` times finer, mirrored, warped by that affine (grid_sample; what moved in from outside the crop
 takes the label at the crop's nearest edge) and averaged down to S x S and to 1 x 1: the targets follow the
 pixels.
-The reference passed the window to roi_align as (top, left, bottom, right), i.e. with x and y swapped for
-any non-square crop; here boxes are built as roi_align expects them, (x1, y1, x2, y2).
+
+Two defects of the reference (TokenLabeling's get_featuremaps/get_label) fixed here:
+- it stores raw logits and fills the classes outside the top k with a logit of 0, a value the teacher did not
+  give them: for a teacher whose logits are small (trained with label smoothing, or on few classes) the
+  zero-filled classes take much of the mass, and the targets come out far flatter than the teacher's
+  predictions (see bench/token_targets.py). Here the store holds log-probabilities and the classes outside the top
+  k share the probability the top k leave, as the teacher gave it;
+- it passed the window to roi_align as (top, left, bottom, right), i.e. with x and y swapped for any non-square
+  crop; here boxes are built as roi_align expects them, (x1, y1, x2, y2).
 """
 
 from __future__ import annotations
@@ -23,6 +33,9 @@ from torchvision.ops import roi_align
 # adaptive sampling takes for a crop of twice as many map cells as tokens, and costs 4x the token targets' memory
 # (ImageNet, 1000 classes, 14 x 14 tokens: 3 MB a moved sample).
 SUPERSAMPLING = 2
+# The least probability a cell gives the classes outside its top k: float16 rounding of near-certain cells can sum
+# the top k to 1 or above, and a log(0) would make a class impossible rather than unlikely.
+MIN_PROBABILITY = 1e-8
 
 
 class TokenTargets(NamedTuple):
@@ -30,11 +43,14 @@ class TokenTargets(NamedTuple):
     tokens: torch.Tensor  # [B, S*S, C]: one distribution per token, row-major like the model's aux tokens
 
 
-def dense_maps(logits: torch.Tensor, classes: torch.Tensor, num_classes: int) -> torch.Tensor:
-    """[B, k, s, s] top-k logits and class indices -> [B, C, s, s] maps, 0 for the classes not in the top k."""
-    batch, _, grid, _ = logits.shape
-    maps = logits.new_zeros(batch, num_classes, grid, grid)
-    return maps.scatter_(1, classes, logits)
+def dense_maps(log_probs: torch.Tensor, classes: torch.Tensor, num_classes: int) -> torch.Tensor:
+    """[B, k, s, s] top-k log-probabilities and class indices -> [B, C, s, s] log-probability maps, in which the
+    C - k classes outside the top k share equally what the top k leave of each cell's probability."""
+    batch, top_k, grid, _ = log_probs.shape
+    left = (1 - log_probs.exp().sum(dim=1, keepdim=True)).clamp_min(MIN_PROBABILITY)  # float16 rounding: >= 0
+    fill = (left / max(num_classes - top_k, 1)).log()
+    maps = fill.expand(batch, num_classes, grid, grid).contiguous()
+    return maps.scatter_(1, classes, log_probs)
 
 
 def window_boxes(window: torch.Tensor, grid: int) -> torch.Tensor:
@@ -46,7 +62,7 @@ def window_boxes(window: torch.Tensor, grid: int) -> torch.Tensor:
 
 
 def token_targets(
-    logits: torch.Tensor,
+    log_probs: torch.Tensor,
     classes: torch.Tensor,
     window: torch.Tensor,
     flip: torch.Tensor,
@@ -56,7 +72,7 @@ def token_targets(
     token_grid: int,
     smoothing: float,
 ) -> TokenTargets:
-    maps = dense_maps(logits.float(), classes, num_classes)
+    maps = dense_maps(log_probs.float(), classes, num_classes)
     boxes = window_boxes(window, maps.shape[-1])
     # aligned=True: cell centres at +0.5, so a window over the whole image samples the whole map evenly;
     # the default adaptive sampling takes at least one bilinear sample per cell the window covers.
@@ -81,6 +97,11 @@ def warped(maps: torch.Tensor, affine: torch.Tensor) -> torch.Tensor:
     theta = torch.cat([linear, 2 * shift + linear.sum(dim=2, keepdim=True) - 1], dim=2)
     grid = F.affine_grid(theta, list(maps.shape), align_corners=False)
     return F.grid_sample(maps, grid, mode="bilinear", padding_mode="border", align_corners=False)
+
+
+def entropy(probabilities: torch.Tensor) -> torch.Tensor:
+    """In nats, over the last dimension (log 2 = 0.69 for an even pair; the log of the class count for uniform)."""
+    return -(probabilities * probabilities.clamp_min(MIN_PROBABILITY).log()).sum(dim=-1)
 
 
 def smooth(probabilities: torch.Tensor, smoothing: float) -> torch.Tensor:

@@ -13,7 +13,7 @@ export PATH := $(CURDIR)/$(BIN):$(PATH)
 PLOTS_TEMPLATE := .dvc/plots_offline.html
 NPM_CI := npm ci --prefix docs --ignore-scripts --omit=optional --no-audit --no-fund
 
-.PHONY: setup repro test bench screenshot ui sweep clean-venv
+.PHONY: setup repro test bench ablation screenshot ui sweep clean-venv
 
 setup: $(STAMP) $(PLOTS_TEMPLATE)
 
@@ -37,6 +37,11 @@ test: setup
 # e.g. make bench BENCH_ARGS="--timm-repo ../pytorch-image-models" (see python bench/run_all.py --help)
 bench: setup
 	$(BIN)/python bench/run_all.py $(BENCH_ARGS)
+
+# The recipe's halves on real photographs (data.source: photos) as DVC experiments in a project copy: ground truth
+# vs token labels, with and without MixToken, coarse-to-fine vs direct at 64 px (python bench/ablation.py --help).
+ablation: setup
+	$(BIN)/python bench/ablation.py $(ABLATION_ARGS)
 
 # The README's picture of the MLflow UI (docs/mlflow-runs.png) from ./mlflow.db, which needs two pipeline runs first
 # (e.g. make repro, then dvc exp run -S finetune.optimizer.lr_base=3.2e-3). Debian's Chromium, driven by playwright-core.

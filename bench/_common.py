@@ -275,11 +275,15 @@ class ProjectCopy:
 
     def repro(self, *args: str) -> Repro:
         """`dvc repro ARGS`, timed; stage times come from when each "Running stage" line arrives."""
+        return self.timed_dvc("repro", *args)
+
+    def timed_dvc(self, *args: str) -> Repro:
+        """`dvc ARGS` (repro, or exp run), timed as `repro` says."""
         started = time.perf_counter()
         marks: list[tuple[str, float]] = []
         lines = []
         with subprocess.Popen(
-            ["dvc", "repro", *args], cwd=self.path, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            ["dvc", *args], cwd=self.path, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         ) as process:
             for line in process.stdout:
                 lines.append(line)
@@ -288,6 +292,6 @@ class ProjectCopy:
         ended = time.perf_counter()
         output = "".join(lines)
         if process.returncode:
-            raise RuntimeError(f"dvc repro {' '.join(args)} failed ({process.returncode}):\n{output}")
+            raise RuntimeError(f"dvc {' '.join(args)} failed ({process.returncode}):\n{output}")
         ends = [at for _, at in marks[1:]] + [ended]
         return Repro(ended - started, {stage: end - at for (stage, at), end in zip(marks, ends)}, output)

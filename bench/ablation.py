@@ -1,0 +1,110 @@
+"""The recipe's two halves, ablated as DVC experiments on real photographs: ground truth vs token labels, with
+and without MixToken, coarse-to-fine (pre-train at 48 px, fine-tune at 64) vs direct (train at 64 px only).
+
+The data set is `data.source: photos` (patches of the 18 photographs scikit-image ships, 1080 train / 270 val:
+see coarse2fine.data.sources.write_photos), where the digits' 99 % ceiling cannot hide an effect. A project copy
+in a fresh git repository gets the photos settings below, then one `dvc exp run` per row in its workspace, each
+naming every ablated key, so the stages a row does not change (convert, teacher, token_labels) are reused from
+the first row. Both students get the same epochs: coarse-to-fine 60 + 10, direct 70.
+Each row: the evaluate stage's top-1 of the model the row ends with, the training compute (images x pixels seen
+by the students: epochs x train images x side^2, in Gpx) and the students' training wall time.
+
+Run: python bench/ablation.py [--rows NAME ...] [--workdir DIR] (see --help); make ablation runs every row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from _common import ProjectCopy, header_line, markdown_table, workspace, write_json
+
+PHOTOS = {
+    "data": {"source": "photos"},
+    "teacher": {"img_size": 64},
+    "pretrain": {"img_size": 48},
+    "finetune": {"img_size": 64},
+    "evaluate": {"pretrain": {"extra_sizes": [64]}, "finetune": {"extra_sizes": [48]}},
+}
+EPOCHS = {"coarse": 60, "fine": 10, "direct": 70}
+
+
+def row(token_labels: bool, mix_token: bool, coarse_to_fine: bool) -> list[str]:
+    """`dvc exp run` arguments of one row: every ablated key set, and the last stage it needs."""
+    settings = {
+        "pretrain.img_size": 48 if coarse_to_fine else 64,
+        "pretrain.epochs": EPOCHS["coarse"] if coarse_to_fine else EPOCHS["direct"],
+        "finetune.epochs": EPOCHS["fine"],
+    }
+    for stage in ("pretrain", "finetune"):
+        settings[f"{stage}.token_label.enabled"] = token_labels
+        settings[f"{stage}.token_label.mix_token"] = mix_token
+    arguments = [f"-S={key}={str(value).lower()}" for key, value in settings.items()]
+    return arguments + ["evaluate@finetune" if coarse_to_fine else "evaluate@pretrain"]
+
+
+ROWS = {
+    "ground truth, coarse-to-fine": row(False, False, True),
+    "token labels + MixToken, coarse-to-fine (the recipe)": row(True, True, True),
+    "token labels, no MixToken, coarse-to-fine": row(True, False, True),
+    "ground truth, direct at 64 px": row(False, False, False),
+    "token labels + MixToken, direct at 64 px": row(True, True, False),
+}
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", nargs="+", choices=sorted(ROWS), default=list(ROWS), metavar="NAME",
+                        help=f"rows to run, of: {'; '.join(ROWS)} (default: all)")
+    parser.add_argument("--workdir", type=Path, default=None, help="keep the project copy here (default: a temp dir)")
+    parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the report and numbers here")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    results = {}
+    with workspace(args.workdir) as work:
+        project = ProjectCopy(work / "project", PHOTOS)
+        train_images = None
+        for name in args.rows:
+            arguments = ROWS[name]
+            run = project.timed_dvc("exp", "run", "-n", _experiment_name(name), *arguments)
+            last = arguments[-1].split("@")[1]
+            evaluation = json.loads((project.path / "metrics" / "evaluate" / last / "metrics.json").read_text())
+            convert = json.loads((project.path / "metrics" / "convert" / "metrics.json").read_text())
+            train_images = convert["images_train"]
+            settings = dict(argument[3:].split("=", 1) for argument in arguments[:-1])
+            sides = [(int(settings["pretrain.img_size"]), int(settings["pretrain.epochs"]))]
+            if last == "finetune":
+                sides.append((PHOTOS["finetune"]["img_size"], int(settings["finetune.epochs"])))
+            results[name] = {
+                "top1": evaluation["top1"],
+                "gpx": sum(epochs * side**2 for side, epochs in sides) * (train_images or 0) / 1e9,
+                "student_seconds": sum(run.stage_seconds.get(stage, 0.0) for stage in ("pretrain", "finetune")),
+                "stages_run": sorted(run.stage_seconds),
+            }
+            print(f"{name}: top-1 {evaluation['top1']:.2f} %, stages run: {', '.join(sorted(run.stage_seconds))}",
+                  flush=True)
+    rows = [
+        [name, f"{value['top1']:.2f}", f"{value['gpx']:.2f}", f"{value['student_seconds']:.0f}"]
+        for name, value in results.items()
+    ]
+    text = "\n".join([
+        header_line(),
+        f"photos ({train_images} train images), tiny VOLO student, epochs: coarse-to-fine "
+        f"{EPOCHS['coarse']} @ 48 px + {EPOCHS['fine']} @ 64 px, direct {EPOCHS['direct']} @ 64 px",
+        "",
+        markdown_table(["run", "top-1 %", "student compute (Gpx)", "student wall time (s)"], rows),
+    ])
+    print(text)
+    write_json(args, text, {"results": results})
+
+
+def _experiment_name(name: str) -> str:
+    return "".join(char if char.isalnum() else "-" for char in name.split(" (")[0]).strip("-")[:40]
+
+
+if __name__ == "__main__":
+    main()

@@ -24,7 +24,7 @@ from conftest import DIGITS_RECORDS_PARAMS, cpu_runtime, make_params
 from PIL import Image
 
 from coarse2fine import distributed
-from coarse2fine.data import records
+from coarse2fine.data import dali_pipeline, records
 from coarse2fine.data.convert import convert
 from coarse2fine.data.loaders import IDENTITY_AFFINE, IMAGE_MEAN, IMAGE_STD, build_loader
 from coarse2fine.distributed import Runtime
@@ -279,6 +279,71 @@ def test_random_erasing_fills_one_rectangle_with_noise(digits_records, backend):
     for image, changed in zip(erased["image"], (kept["image"] != erased["image"]).any(dim=1)):
         rows, cols = changed.any(dim=1).nonzero()[:, 0], changed.any(dim=0).nonzero()[:, 0]
         assert len(rows) > 0, "an image without an erased rectangle"
+        box = (slice(int(rows[0]), int(rows[-1]) + 1), slice(int(cols[0]), int(cols[-1]) + 1))
+        assert changed[box].all() and changed.sum() == changed[box].sum(), "the changed pixels are not one rectangle"
+        assert 0.015 < changed.float().mean() < 0.4
+        noise.append(image[:, box[0], box[1]].flatten())
+    noise = torch.cat(noise)
+    assert abs(noise.mean()) < 0.1 and 0.9 < noise.std() < 1.1, (noise.mean(), noise.std())
+
+
+def dali_graph(records_dir, split: str, device: str, augment: dict, **pipeline):
+    """The loaders' DALI graph for `split`, as `DaliLoader` defines it, on `device` ("cpu", or "mixed": the GPU's)."""
+    params = make_params(augment=augment)
+    shards = records.shard_files(records_dir, split)
+    common = dict(
+        files=[str(tfrecord) for tfrecord, _ in shards], index_files=[str(index) for _, index in shards],
+        shard_id=0, num_shards=1, img_size=IMG_SIZE, device=device, num_threads=1, **pipeline,
+    )
+    if split == "train":
+        return dali_pipeline.train_pipeline(
+            augment=params.augment, rand_spec=params.augment.rand_augment_spec, finish_on_host=False, **common
+        )
+    return dali_pipeline.val_pipeline(crop_pct=0.875, interpolation=params.augment.interpolation, **common)
+
+
+GPU_AUGMENTS = [
+    {"hflip": hflip, "reprob": reprob, "rand_augment": rand_augment, "interpolation": interpolation}
+    for hflip in (0.0, 0.5) for reprob in (0.0, 0.25) for rand_augment in ("", "rand-m9-n2", FULL_AUGMENT["rand_augment"])
+    for interpolation in ("bilinear", "bicubic")
+]
+
+
+@pytest.mark.parametrize("augment", GPU_AUGMENTS, ids=lambda augment: "-".join(map(str, augment.values())))
+def test_the_gpu_graphs_use_only_operators_dali_registers_where_they_are_placed(digits_records, augment):
+    """No GPU needed: the GPU graphs (decoding `mixed`, everything after it on the GPU) are defined with device 0
+    but never built, and every operator's placement is looked up in DALI's own registries, which is where a GPU
+    build would fail (as fn.ones_like did: DALI registers it for the CPU only)."""
+    from nvidia.dali import backend
+
+    registered = {
+        "cpu": set(backend.RegisteredCPUOps(True)), "gpu": set(backend.RegisteredGPUOps(True)),
+        "mixed": set(backend.RegisteredMixedOps(True)),
+    }
+    for split in ("train", "val"):
+        with dali_pipeline._without_dali_alias_warnings():  # DALI's own RandAugment calls deprecated aliases
+            graph = dali_graph(digits_records, split, "mixed", augment, batch_size=4, device_id=0)
+            graph._build_graph()  # DALI's graph definition only: no device is touched (private, pinned DALI)
+        placed = {(op._op.schema.Name(), op._op.device) for op in graph._ops}  # the backend's names
+        assert ("Erase", "gpu") in placed or augment["reprob"] == 0 or split == "val"
+        unregistered = sorted((name, device) for name, device in placed if name not in registered[device])
+        assert not unregistered, f"{split}: DALI has no such operator where the graph places it: {unregistered}"
+
+
+def test_the_all_dali_graph_erases_one_rectangle_with_noise(digits_records):
+    """The GPU's train graph (erasing inside DALI, not on the host) run on the CPU: reprob 1 against 0, same seed,
+    every image differs in one rectangle of 2 %..1/3 of its area filled with N(0, 1) noise; the rest is unchanged."""
+    images = []
+    for reprob in (0.0, 1.0):
+        graph = dali_graph(digits_records, "train", "cpu", {"hflip": 0.5, "reprob": reprob}, batch_size=64,
+                           device_id=None, seed=7)
+        with dali_pipeline._without_dali_alias_warnings():
+            graph.build()
+        images.append(torch.from_numpy(np.stack([np.asarray(image) for image in graph.run()[0]])))
+    kept, erased = images
+    noise = []
+    for image, changed in zip(erased, (kept != erased).any(dim=1)):
+        rows, cols = changed.any(dim=1).nonzero()[:, 0], changed.any(dim=0).nonzero()[:, 0]
         box = (slice(int(rows[0]), int(rows[-1]) + 1), slice(int(cols[0]), int(cols[-1]) + 1))
         assert changed[box].all() and changed.sum() == changed[box].sum(), "the changed pixels are not one rectangle"
         assert 0.015 < changed.float().mean() < 0.4

@@ -1,7 +1,8 @@
 """Process group set-up and the one place that branches on CPU vs GPU.
 
 Stages are launched by torchrun (which sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT); run as a
-plain `python stages/x.py` they fall back to a world of one. Backend: nccl with CUDA, gloo otherwise.
+plain `python stages/x.py` they fall back to a world of one. Backend: nccl for CUDA tensors with gloo for CPU
+tensors on GPU machines, gloo otherwise (`group_backend`). Every collective of the project goes through here.
 """
 
 from __future__ import annotations
@@ -50,13 +51,18 @@ def init() -> Runtime:
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
-        backend = "nccl"
     else:
         device = torch.device("cpu")
-        backend = "gloo"
     if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(backend=group_backend(device), device_id=device if device.type == "cuda" else None)
     return Runtime(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+
+
+def group_backend(device: torch.device) -> str:
+    """gloo on CPU machines. On GPUs nccl for the GPU's tensors and gloo beside it for the CPU tensors some
+    collectives carry (token_labels' timing sums, the pickled objects of all_gather_objects): an nccl-only group
+    rejects those."""
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
 
 
 def shutdown() -> None:

@@ -219,14 +219,16 @@ def random_erase(image, probability: float, img_size: int):
         random_aspect_ratio=ERASE_ASPECT,
     )
     if fn.random.coin_flip(probability=probability, dtype=types.BOOL):
-        outside_box = fn.erase(
-            fn.ones_like(image),
+        # Only operators DALI registers for the GPU too (fn.ones_like is CPU-only): the image with the box zeroed,
+        # plus the noise with everything but the box zeroed.
+        box = dict(
             anchor=fn.cast(box_anchor, dtype=types.FLOAT),  # erase takes float coordinates
             shape=fn.cast(box_shape, dtype=types.FLOAT),
             axis_names="HW",
             fill_value=0,
         )
-        image = image * outside_box + fn.random.normal(image) * (1 - outside_box)
+        noise = fn.reshape(fn.random.normal(image), layout="CHW")  # erase finds H and W by the layout
+        image = fn.erase(image, **box) + (noise - fn.erase(noise, **box))
     return image
 
 

@@ -8,8 +8,13 @@ naming every ablated key, so the stages a row does not change (convert, teacher,
 the first row. Both students get the same epochs: coarse-to-fine 60 + 10, direct 70.
 Each row: the evaluate stage's top-1 of the model the row ends with, the training compute (images x pixels seen
 by the students: epochs x train images x side^2, in Gpx) and the students' training wall time.
+With --timm-repo (a timm source checkout, as bench/peer.py takes it) one more row: timm's train.py training the
+same tiny VOLO directly at 64 px for the direct rows' epochs with the project's default settings (bench/peer.py
+lists them), on the same patches written as PNG files (the project reads them re-encoded as JPEG); its wall time
+is the whole train.py run, validation included, as the stages' is.
 
-Run: python bench/ablation.py [--rows NAME ...] [--workdir DIR] (see --help); make ablation runs every row.
+Run: python bench/ablation.py [--rows NAME ...] [--timm-repo DIR] [--workdir DIR] (see --help); make ablation
+runs every DVC row (ABLATION_ARGS="--timm-repo DIR" adds timm's).
 """
 
 from __future__ import annotations
@@ -19,6 +24,9 @@ import json
 from pathlib import Path
 
 from _common import ProjectCopy, header_line, markdown_table, workspace, write_json
+from coarse2fine.config import Params, load_params
+from coarse2fine.data import sources
+from peer import run_timm
 
 PHOTOS = {
     "data": {"source": "photos"},
@@ -51,15 +59,23 @@ ROWS = {
     "ground truth, direct at 64 px": row(False, False, False),
     "token labels + MixToken, direct at 64 px": row(True, True, False),
 }
+TIMM_ROW = "timm train.py, ground truth, direct at 64 px"
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", nargs="+", choices=sorted(ROWS), default=list(ROWS), metavar="NAME",
-                        help=f"rows to run, of: {'; '.join(ROWS)} (default: all)")
+    parser.add_argument("--rows", nargs="+", choices=[*ROWS, TIMM_ROW], default=None, metavar="NAME",
+                        help=f"rows to run, of: {'; '.join([*ROWS, TIMM_ROW])} (default: all; timm's with --timm-repo)")
+    parser.add_argument("--timm-repo", type=Path, default=None, metavar="PATH",
+                        help="a timm source checkout (the directory holding train.py): adds timm's row")
     parser.add_argument("--workdir", type=Path, default=None, help="keep the project copy here (default: a temp dir)")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the report and numbers here")
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.rows is None:
+        args.rows = [*ROWS, TIMM_ROW] if args.timm_repo is not None else list(ROWS)
+    if TIMM_ROW in args.rows and (args.timm_repo is None or not (args.timm_repo / "train.py").is_file()):
+        parser.error(f"--timm-repo: the row {TIMM_ROW!r} needs a timm checkout with train.py")
+    return args
 
 
 def main() -> None:
@@ -67,26 +83,11 @@ def main() -> None:
     results = {}
     with workspace(args.workdir) as work:
         project = ProjectCopy(work / "project", PHOTOS)
-        train_images = None
+        params = load_params(project.path / "params.yaml")
+        train_images = params.data.photos.train_per_class * len(sources.PHOTOS)
         for name in args.rows:
-            arguments = ROWS[name]
-            run = project.timed_dvc("exp", "run", "-n", _experiment_name(name), *arguments)
-            last = arguments[-1].split("@")[1]
-            evaluation = json.loads((project.path / "metrics" / "evaluate" / last / "metrics.json").read_text())
-            convert = json.loads((project.path / "metrics" / "convert" / "metrics.json").read_text())
-            train_images = convert["images_train"]
-            settings = dict(argument[3:].split("=", 1) for argument in arguments[:-1])
-            sides = [(int(settings["pretrain.img_size"]), int(settings["pretrain.epochs"]))]
-            if last == "finetune":
-                sides.append((PHOTOS["finetune"]["img_size"], int(settings["finetune.epochs"])))
-            results[name] = {
-                "top1": evaluation["top1"],
-                "gpx": sum(epochs * side**2 for side, epochs in sides) * (train_images or 0) / 1e9,
-                "student_seconds": sum(run.stage_seconds.get(stage, 0.0) for stage in ("pretrain", "finetune")),
-                "stages_run": sorted(run.stage_seconds),
-            }
-            print(f"{name}: top-1 {evaluation['top1']:.2f} %, stages run: {', '.join(sorted(run.stage_seconds))}",
-                  flush=True)
+            results[name] = run_timm_row(args.timm_repo, work, params) if name == TIMM_ROW else run_row(project, name)
+            print(f"{name}: top-1 {results[name]['top1']:.2f} %", flush=True)
     rows = [
         [name, f"{value['top1']:.2f}", f"{value['gpx']:.2f}", f"{value['student_seconds']:.0f}"]
         for name, value in results.items()
@@ -100,6 +101,37 @@ def main() -> None:
     ])
     print(text)
     write_json(args, text, {"results": results})
+
+
+def run_row(project: ProjectCopy, name: str) -> dict:
+    """One `dvc exp run`: the evaluate stage's top-1, the students' compute and their stages' wall time."""
+    arguments = ROWS[name]
+    run = project.timed_dvc("exp", "run", "-n", _experiment_name(name), *arguments)
+    last = arguments[-1].split("@")[1]
+    evaluation = json.loads((project.path / "metrics" / "evaluate" / last / "metrics.json").read_text())
+    train_images = json.loads((project.path / "metrics" / "convert" / "metrics.json").read_text())["images_train"]
+    settings = dict(argument[3:].split("=", 1) for argument in arguments[:-1])
+    sides = [(int(settings["pretrain.img_size"]), int(settings["pretrain.epochs"]))]
+    if last == "finetune":
+        sides.append((PHOTOS["finetune"]["img_size"], int(settings["finetune.epochs"])))
+    print(f"{name}: stages run: {', '.join(sorted(run.stage_seconds))}", flush=True)
+    return {
+        "top1": evaluation["top1"],
+        "gpx": sum(epochs * side**2 for side, epochs in sides) * train_images / 1e9,
+        "student_seconds": sum(run.stage_seconds.get(stage, 0.0) for stage in ("pretrain", "finetune")),
+        "stages_run": sorted(run.stage_seconds),
+    }
+
+
+def run_timm_row(timm_repo: Path, work: Path, params: Params) -> dict:
+    """timm's train.py on the same patches (PNG files), the same student directly at 64 px."""
+    tree = work / "photos"
+    if not tree.is_dir():
+        sources.write_photos(tree, params.data.photos, params.seed)
+    side, epochs = PHOTOS["finetune"]["img_size"], EPOCHS["direct"]
+    run = run_timm(timm_repo, tree, work, {}, num_classes=len(sources.PHOTOS), img_size=side, epochs=epochs)
+    train_images = sum(1 for _ in (tree / "train").rglob("*.png"))
+    return {"top1": run["top1"], "gpx": epochs * side**2 * train_images / 1e9, "student_seconds": run["seconds"]}
 
 
 def _experiment_name(name: str) -> str:

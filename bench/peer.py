@@ -81,19 +81,22 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def timm_command(args: argparse.Namespace, tree: Path, output: Path) -> list[str]:
+def timm_command(
+    timm_repo: Path, tree: Path, output: Path, *, num_classes: int, img_size: int, epochs: int
+) -> list[str]:
+    """timm's train.py on the ImageFolder `tree` with the project's default pre-training settings (above)."""
     cfg, model, augment = PARAMS.pretrain, PARAMS.model, PARAMS.augment
     lr = cfg.optimizer.lr_base * cfg.batch_size / 1024
     kwargs = {
         "layers": model.layers, "embed_dims": model.embed_dims, "num_heads": model.num_heads,
-        "mlp_ratio": model.mlp_ratio, "patch_size": model.patch_size, "img_size": cfg.img_size,
+        "mlp_ratio": model.mlp_ratio, "patch_size": model.patch_size, "img_size": img_size,
     }
     return [
-        sys.executable, "-c", TIMM_MAIN, str(args.timm_repo.resolve()),
+        sys.executable, "-c", TIMM_MAIN, str(timm_repo.resolve()),
         "--data-dir", str(tree), "--train-split", "train", "--val-split", "val",
         "--model", "volo_bench", "--model-kwargs", *(f"{key}={value!r}".replace(" ", "") for key, value in kwargs.items()),
-        "--num-classes", "10", "--img-size", str(cfg.img_size), "--crop-pct", str(cfg.val_crop_pct),
-        "--epochs", str(args.epochs), "-b", str(cfg.batch_size),
+        "--num-classes", str(num_classes), "--img-size", str(img_size), "--crop-pct", str(cfg.val_crop_pct),
+        "--epochs", str(epochs), "-b", str(cfg.batch_size),
         "--opt", cfg.optimizer.name, "--lr", f"{lr:g}", "--weight-decay", str(cfg.optimizer.weight_decay),
         "--opt-betas", *map(str, cfg.optimizer.betas),
         "--sched", "cosine", "--sched-on-updates", "--warmup-epochs", str(int(cfg.schedule.warmup_epochs)),
@@ -107,12 +110,14 @@ def timm_command(args: argparse.Namespace, tree: Path, output: Path) -> list[str
     ]
 
 
-def run_timm(args: argparse.Namespace, tree: Path, work: Path, env: dict[str, str]) -> dict:
+def run_timm(timm_repo: Path, tree: Path, work: Path, env: dict[str, str], **settings: int) -> dict:
+    """One train.py run (`settings`: timm_command's num_classes, img_size, epochs): its img/s, wall time, top-1."""
     output = work / "timm-out"
     shutil.rmtree(output, ignore_errors=True)
     started = time.perf_counter()
     result = subprocess.run(
-        timm_command(args, tree, output), capture_output=True, text=True, cwd=work, env={**os.environ, **env}
+        timm_command(timm_repo, tree, output, **settings), capture_output=True, text=True, cwd=work,
+        env={**os.environ, **env},
     )
     seconds = time.perf_counter() - started
     if result.returncode:
@@ -182,10 +187,13 @@ def main() -> None:
             work / "project", {"data": {"source": "imagefolder", "root": str(tree)}, "pretrain": {"epochs": args.epochs}}
         )
         project.repro("convert")
+        settings = {"num_classes": 10, "img_size": PARAMS.pretrain.img_size, "epochs": args.epochs}
         variants = {
             "pretrain stage": lambda: run_pretrain(project),
-            "timm train.py": lambda: run_timm(args, tree, work, {}),
-            "timm train.py, OMP_NUM_THREADS=1": lambda: run_timm(args, tree, work, {"OMP_NUM_THREADS": "1"}),
+            "timm train.py": lambda: run_timm(args.timm_repo, tree, work, {}, **settings),
+            "timm train.py, OMP_NUM_THREADS=1": lambda: run_timm(
+                args.timm_repo, tree, work, {"OMP_NUM_THREADS": "1"}, **settings
+            ),
         }
         runs: dict[str, list[dict]] = {name: [] for name in variants}
         order = list(variants)

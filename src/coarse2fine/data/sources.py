@@ -29,7 +29,7 @@ IMAGE_SUFFIXES = frozenset(ext for ext, fmt in Image.registered_extensions().ite
 DIGITS_GREY_LEVELS = 16  # load_digits pixels are 0..16
 
 # The 18 photographs scikit-image ships in its wheel (files of its skimage.data package: nothing is downloaded),
-# one class each; 9 are colour, 9 grey. Left out: drawings and synthetic images (logo, color, chessboards,
+# one class each; 8 are colour, 10 grey. Left out: drawings and synthetic images (logo, color, chessboards,
 # phantom, horse's silhouette), microaneurysms (102 px) and the second motorcycle view (a near-twin of the first).
 PHOTOS = (
     "astronaut.png", "brick.png", "camera.png", "cell.png", "chelsea.png", "clock_motion.png", "coffee.png",
@@ -143,8 +143,8 @@ def _photo_patch(
         left = int(rng.integers(0, area_width - patch_width + 1))
         if inside:
             return block_top + top, block_left + left, patch_height, patch_width
-        overlaps = top < block_bottom and block_top < top + patch_height and left < block_right and block_left < left + patch_width
-        if not overlaps:
+        rows_overlap = top < block_bottom and block_top < top + patch_height
+        if not (rows_overlap and left < block_right and block_left < left + patch_width):
             return top, left, patch_height, patch_width
 
 

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-import numpy as np
 import torch
 from PIL import Image
 from timm.models.volo import VOLO
@@ -134,11 +133,11 @@ def label_statistics(
     scores: torch.Tensor, log_probs: torch.Tensor, classes: torch.Tensor, labels: torch.Tensor
 ) -> dict[str, float]:
     """Sums over a batch of what the store keeps against what the teacher said: `scores` [B, C, s, s] are the
-    teacher's dense logits, `log_probs`/`classes` [B, k, s, s] the stored top k of them, `labels` [B].
+    teacher's dense logits, `log_probs`/`classes` [B, k, s, s] their top k log-probabilities as the store keeps
+    them (before the float16 rounding), `labels` [B].
     - teacher_*: the teacher's own prediction for the whole image (the softmax of its mean logits) and its cells';
     - target_*: the class target the student would get for the whole image from the store (smoothing aside);
     - outside_top_k: the probability per cell the teacher gave the classes the store does not name."""
-    probabilities = scores.float().softmax(dim=1)
     teacher = scores.float().mean(dim=(2, 3)).softmax(dim=1)
     whole = torch.tensor([[0.0, 0.0, 1.0, 1.0]], device=scores.device).expand(len(scores), 4)
     no_flip = torch.zeros(len(scores), dtype=torch.bool, device=scores.device)
@@ -153,7 +152,7 @@ def label_statistics(
         "teacher_entropy": float(targets.entropy(teacher).sum()),
         "target_entropy": float(targets.entropy(target).sum()),
         "target_correct": float((target.argmax(dim=1) == labels).sum()),
-        "outside_top_k": float((1 - probabilities.topk(log_probs.shape[1], dim=1).values.sum(dim=1)).mean(dim=(1, 2)).sum()),
+        "outside_top_k": float((1 - log_probs.exp().sum(dim=1)).mean(dim=(1, 2)).sum()),
     }
 
 
@@ -238,8 +237,7 @@ def generate(
         with torch.inference_mode(), autocast:
             scores = head(images).float()
         log_probs, classes = scores.log_softmax(dim=1).topk(top_k, dim=1)
-        log_probs = log_probs.to(torch.float16)
-        arrays.write(indices.numpy(), log_probs.cpu().numpy(), classes.cpu().numpy())
+        arrays.write(indices.numpy(), log_probs.to(torch.float16).cpu().numpy(), classes.cpu().numpy())
         for name, value in label_statistics(scores, log_probs, classes, labels.to(scores.device)).items():
             chunk_stats[name] = chunk_stats.get(name, 0.0) + value
         generated += len(indices)

@@ -78,7 +78,9 @@ def header_digest(directory: str | Path) -> str:
         raise UserError(f"{directory}: not a readable token-label store ({error})") from None
 
 
-def write_store(directory: str | Path, log_probs: np.ndarray, classes: np.ndarray, num_classes: int, **extra: Any) -> None:
+def write_store(
+    directory: str | Path, log_probs: np.ndarray, classes: np.ndarray, num_classes: int, **extra: Any
+) -> None:
     """Write a whole store from in-memory arrays. `log_probs`/`classes`: [N, k, s, s]."""
     if log_probs.shape != classes.shape or log_probs.ndim != 4 or log_probs.shape[2] != log_probs.shape[3]:
         raise ValueError(f"log_probs {log_probs.shape} and classes {classes.shape} must both be [N, k, s, s]")

@@ -32,7 +32,7 @@ import torch
 
 from _common import CPU, goal, header_line, interleaved, markdown_table, run_convert, write_json
 from coarse2fine import models
-from coarse2fine.config import Model, parse_params
+from coarse2fine.config import parse_model, parse_params
 from coarse2fine.data import records
 from coarse2fine.data.loaders import IMAGE_MEAN, IMAGE_STD
 from coarse2fine.labels.generate import DenseHead, TrainRecords, View, dense_head, generate
@@ -145,7 +145,7 @@ def report(
 def main() -> None:
     args = parse_args()
     torch.manual_seed(0)
-    teacher_cfg = Model(name=args.model, output_stride=args.output_stride)
+    teacher_cfg = parse_model({"name": args.model, "output_stride": args.output_stride})
     view = View("whole", args.img_size, "bicubic")
     with tempfile.TemporaryDirectory(prefix="coarse2fine-bench-") as scratch:
         records_dir = Path(scratch) / "records"

@@ -10,13 +10,13 @@ import torch
 from conftest import PROJECT_ROOT, cpu_runtime, make_params
 
 from coarse2fine import models
-from coarse2fine.config import Model
+from coarse2fine.config import CustomVolo, TimmModel
 from coarse2fine.data.loaders import build_loader
 from coarse2fine.errors import UserError
 from coarse2fine.evaluate import evaluate
 from coarse2fine.student import StudentPaths, train_student
 
-TINY_VOLO = Model(patch_size=4)  # stride 8: 2 x 2 tokens at 16 px, 3 x 3 at 24, 4 x 4 at 32
+TINY_VOLO = CustomVolo(patch_size=4)  # stride 8: 2 x 2 tokens at 16 px, 3 x 3 at 24, 4 x 4 at 32
 
 
 def test_volo_weights_load_at_another_resolution_with_the_position_embedding_resampled():
@@ -34,7 +34,7 @@ def test_volo_weights_load_at_another_resolution_with_the_position_embedding_res
 
 
 def test_vit_keeps_its_class_token_when_its_grid_is_resampled():
-    vit = Model(name="vit_tiny_patch16_224")
+    vit = TimmModel(name="vit_tiny_patch16_224")
     coarse, fine = models.build_model(vit, 10, 32), models.build_model(vit, 10, 64)
     report = models.fit_state_dict(fine, coarse.state_dict(), "vit.pt")
     assert report.resampled == ["pos_embed 2x2 -> 4x4"]
@@ -50,7 +50,7 @@ def test_another_class_count_resets_the_heads_and_says_so_and_nothing_else_is_dr
     assert "not loaded (another class count; freshly initialised): " in report.lines("coarse.pt")[-1]
     with pytest.raises(UserError, match=r"coarse.pt does not fit VOLO with 3 classes .*head.weight \(10, 128\) vs \(3, 128\)"):
         models.fit_state_dict(fine, coarse.state_dict(), "coarse.pt")  # a model file must match its classes
-    other = models.build_model(Model(patch_size=4, embed_dims=(64, 128, 128, 256), num_heads=(2, 4, 4, 8)), 10, 16)
+    other = models.build_model(CustomVolo(patch_size=4, embed_dims=(64, 128, 128, 256), num_heads=(2, 4, 4, 8)), 10, 16)
     with pytest.raises(UserError, match="shape .file vs model."):
         models.fit_state_dict(other, coarse.state_dict(), "coarse.pt")
 
@@ -59,10 +59,10 @@ def test_fine_tuning_refuses_a_model_file_of_another_architecture(tmp_path):
     path = tmp_path / "model.pt"
     models.save_model_file(path, models.build_model(TINY_VOLO, 10, 16), model_cfg=TINY_VOLO, img_size=16,
                            classes=[str(i) for i in range(10)], stage="pretrain")
-    wider = Model(patch_size=4, embed_dims=(64, 128, 128, 256), num_heads=(2, 4, 4, 8))
+    wider = CustomVolo(patch_size=4, embed_dims=(64, 128, 128, 256), num_heads=(2, 4, 4, 8))
     with pytest.raises(UserError, match=r"another architecture than model.\* \(embed_dims \[64, 128, 128, 128\] vs \[64, 128, 128, 256\]"):
         models.init_from_model_file(models.build_model(wider, 10, 24), wider, path)
-    deeper_drop_path = Model(patch_size=4, drop_path=0.1)  # a training knob, not the weights' layout: loads
+    deeper_drop_path = CustomVolo(patch_size=4, drop_path=0.1)  # a training knob, not the weights' layout: loads
     report = models.init_from_model_file(models.build_model(deeper_drop_path, 10, 24), deeper_drop_path, path)
     assert report.resampled == ["pos_embed 2x2 -> 3x3"]
 

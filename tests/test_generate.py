@@ -19,7 +19,7 @@ from conftest import cpu_runtime, make_params
 from PIL import Image
 
 from coarse2fine import models
-from coarse2fine.config import Model
+from coarse2fine.config import CustomVolo, TimmModel
 from coarse2fine.data import records
 from coarse2fine.data.convert import convert
 from coarse2fine.data.loaders import IDENTITY_AFFINE, RAND_AUGMENT_GEOMETRIC_OPS, build_loader
@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_a_cnn_dense_map_averages_to_the_models_own_logits(name):
     """Global average pooling + a linear classifier: the classifier at every position, averaged, is the model."""
     torch.manual_seed(0)
-    model = models.build_model(Model(name=name), num_classes=7, img_size=64).eval()
+    model = models.build_model(TimmModel(name=name), num_classes=7, img_size=64).eval()
     images = torch.randn(2, 3, 64, 64)
     with torch.no_grad():
         dense, logits = dense_head(model)(images), model(images)
@@ -46,7 +46,7 @@ def test_a_cnn_dense_map_averages_to_the_models_own_logits(name):
 
 def test_token_models_lay_their_patch_tokens_back_on_the_grid():
     torch.manual_seed(0)
-    volo = models.build_model(Model(patch_size=4), num_classes=5, img_size=32)
+    volo = models.build_model(CustomVolo(patch_size=4), num_classes=5, img_size=32)
     forward = models.TrainForward(volo).train()
     volo.patch_embed.eval()  # the training forward only runs in train mode: freeze BatchNorm to compare
     images = torch.randn(2, 3, 32, 32)
@@ -55,7 +55,7 @@ def test_token_models_lay_their_patch_tokens_back_on_the_grid():
         dense = dense_head(volo.eval())(images)
     torch.testing.assert_close(dense, aux_logits.transpose(1, 2).reshape(2, 5, 4, 4))
 
-    vit = models.build_model(Model(name="vit_tiny_patch16_224"), num_classes=5, img_size=64).eval()
+    vit = models.build_model(TimmModel(name="vit_tiny_patch16_224"), num_classes=5, img_size=64).eval()
     with torch.no_grad():
         tokens = vit.forward_features(images.repeat(1, 1, 2, 2))[:, vit.num_prefix_tokens :]  # class token dropped
         dense = dense_head(vit)(images.repeat(1, 1, 2, 2))
@@ -243,7 +243,7 @@ def store_bytes(directory: Path) -> dict[str, bytes]:
 
 def random_teacher(num_classes: int) -> torch.nn.Module:
     torch.manual_seed(0)
-    return models.build_model(Model(name="resnet10t", output_stride=8), num_classes=num_classes, img_size=32).eval()
+    return models.build_model(TimmModel(name="resnet10t", output_stride=8), num_classes=num_classes, img_size=32).eval()
 
 
 def test_a_crashed_generation_resumes_to_the_same_bytes(digits_records, tmp_path, capsys):
@@ -314,7 +314,7 @@ def run_token_labels_stage(tmp_path: Path, records_dir: Path, teacher_file: Path
 
 @pytest.mark.slow
 def test_two_ranks_write_the_same_bytes_as_one(digits_records, tmp_path):
-    model_cfg = Model(name="resnet10t", output_stride=8)
+    model_cfg = TimmModel(name="resnet10t", output_stride=8)
     teacher_file = tmp_path / "teacher.pt"
     models.save_model_file(
         teacher_file, random_teacher(10), model_cfg=model_cfg, img_size=32,

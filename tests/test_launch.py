@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from coarse2fine import models
-from coarse2fine.config import Model
+from coarse2fine.config import CustomVolo, TimmModel
 from conftest import Project
 
 pytestmark = pytest.mark.slow
@@ -35,7 +35,7 @@ def empty_class(root: Path) -> Path:
 
 
 def model_with_other_classes(project: Project) -> None:
-    model_cfg = Model()
+    model_cfg = CustomVolo()
     model = models.build_model(model_cfg, num_classes=10, img_size=32)
     models.save_model_file(
         project.path / "models/pretrain/model.pt", model, model_cfg=model_cfg, img_size=32,
@@ -45,7 +45,7 @@ def model_with_other_classes(project: Project) -> None:
 
 def teacher_file(project: Project, classes: list[str], num_classes: int | None = None) -> Path:
     """A resnet10t teacher model file over `classes` (its head sized for `num_classes` if given)."""
-    model_cfg = Model(name="resnet10t", output_stride=8)
+    model_cfg = TimmModel(name="resnet10t", output_stride=8)
     model = models.build_model(model_cfg, num_classes=num_classes or len(classes), img_size=32)
     path = project.path / "models/teacher/model.pt"
     models.save_model_file(path, model, model_cfg=model_cfg, img_size=32, classes=classes, stage="teacher")
@@ -55,7 +55,7 @@ def teacher_file(project: Project, classes: list[str], num_classes: int | None =
 def imagenet_weights(project: Project, tmp: Path) -> dict:
     """Import mode with a 1000-class resnet10t state dict: it does not fit the 10 digit classes."""
     path = tmp / "resnet10t_imagenet.pt"
-    torch.save(models.build_model(Model(name="resnet10t"), num_classes=1000, img_size=32).state_dict(), path)
+    torch.save(models.build_model(TimmModel(name="resnet10t"), num_classes=1000, img_size=32).state_dict(), path)
     return {"teacher": {"mode": "import", "weights": str(path), "model": {"name": "resnet10t"}}}
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from coarse2fine.config import ParamsError, RandAugmentSpec, flatten, load_params, parse_params, scaled_lr
+from coarse2fine.config import Optimizer, ParamsError, RandAugmentSpec, flatten, load_params, parse_params
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,10 +27,20 @@ def with_change(path: str, value) -> dict:
     return raw
 
 
-def test_shipped_params_are_valid_and_complete():
-    params = load_params(ROOT / "params.yaml")
-    # Every schema field is spelled out in params.yaml, so the file documents every knob.
-    assert set(flatten(params)) == set(flatten(parse_params({})))
+def spelled_out(raw: dict, prefix: str = "") -> set[str]:
+    """The key paths a YAML mapping writes."""
+    keys = set()
+    for key, value in raw.items():
+        keys |= spelled_out(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}"}
+    return keys
+
+
+def test_shipped_params_are_valid_and_document_every_training_knob():
+    knobs = set(flatten(load_params(ROOT / "params.yaml")))
+    written = spelled_out(shipped())
+    assert written <= knobs
+    # pretrain documents every key of a training section (teacher and finetune write the ones they change).
+    assert {key for key in knobs if key.startswith("pretrain.")} <= written
 
 
 @pytest.mark.parametrize(
@@ -51,7 +61,18 @@ def test_shipped_params_are_valid_and_complete():
         ("teacher.mode", "import", "teacher.weights: required when mode is 'import'"),
         ("token_labels.teacher_view", "crop", "token_labels.teacher_view: Input should be 'whole' or 'center'"),
         # Token labeling needs a prediction per token: a CNN student has none.
-        ("model.name", "resnet18", "pretrain.token_label.enabled: model.name 'resnet18' has no per-token outputs"),
+        ("model", {"name": "resnet18"}, "pretrain.token_label.enabled: model.name 'resnet18' has no per-token outputs"),
+        # A named timm model has its own layout: the tiny VOLO's keys cannot apply to it.
+        ("model", {"name": "volo_d1_224", "patch_size": 4, "embed_dims": [8, 8, 8, 8]},
+         "model: embed_dims, patch_size: set the layout of volo_custom only; 'volo_d1_224' is built to timm's own layout"),
+        ("teacher.model", {"name": "resnet10t", "mlp_ratio": 4.0}, "teacher.model.mlp_ratio: sets the layout of volo_custom only"),
+        ("model.dropout", 0.1, "model.dropout: unknown key"),  # the tiny VOLO has no such knob
+        ("model.name", "volo_d1_224", "model: layers, embed_dims, num_heads, mlp_ratio, patch_size: set the layout of volo_custom"),
+        # The fine-tuning recipe's batch 240 under the linear rule: 1.6e-5 x 240 / 1024 = 3.75e-6 < min_lr 4e-6.
+        ("finetune", {"batch_size": 240, "optimizer": {"lr_base": 1.6e-5}, "schedule": {"min_lr": 4e-6}},
+         "finetune.optimizer.lr_base: the peak lr 3.75e-06 = lr_base 1.6e-05 x global batch 240 / 1024 (1 ranks) is at or "
+         "below schedule.min_lr 4e-06"),
+        ("finetune", {"optimizer": {"lr_base": 8e-6, "lr_scaling": "none"}, "schedule": {"min_lr": 4e-6}}, None),
         # Two ways of mixing batches at once: Mixup's targets are the ground truth, MixToken's the token labels.
         ("finetune.mixup", {"mixup_alpha": 0.2}, "finetune.mixup: Mixup/CutMix mixes ground-truth targets, but finetune.token_label.enabled"),
         ("teacher.mixup", {"cutmix_alpha": 1.0, "prob": 0.5}, None),  # the teacher learns from the ground truth
@@ -73,7 +94,7 @@ def test_token_labeling_off_means_mix_token_off_and_any_student():
     assert raw["pretrain"]["token_label"]["mix_token"] is True
     assert not parse_params(raw).pretrain.token_label.mixes_tokens
     raw["finetune"]["token_label"]["enabled"] = False
-    raw["model"]["name"] = "resnet18"  # without token labels, any timm model can be the student
+    raw["model"] = {"name": "resnet18"}  # without token labels, any timm model can be the student
     assert parse_params(raw).model.name == "resnet18"
 
 
@@ -187,5 +208,6 @@ def test_flatten_and_lr_scaling():
     flat = flatten(parse_params({}))
     assert flat["pretrain.optimizer.lr_base"] == 1.6e-2
     assert flat["model.layers"] == [1, 1, 1, 1]
-    assert scaled_lr(1.6e-3, 1024) == pytest.approx(1.6e-3)
-    assert scaled_lr(1.6e-2, 64) == pytest.approx(1e-3)
+    assert Optimizer(lr_base=1.6e-3).peak_lr(1024) == pytest.approx(1.6e-3)
+    assert Optimizer(lr_base=1.6e-2).peak_lr(64) == pytest.approx(1e-3)
+    assert Optimizer(lr_base=8e-6, lr_scaling="none").peak_lr(64) == 8e-6  # the reference's fine-tuning LR

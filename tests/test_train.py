@@ -108,6 +108,48 @@ def test_schedule_warms_up_then_decays_per_update(tmp_path):
         assert seen[update] == pytest.approx([lr] * len(trainer.optimizer.param_groups), rel=1e-9), update
 
 
+def lrs_per_update(trainer: train.Trainer, updates: int) -> list[float]:
+    seen = [trainer.optimizer.param_groups[0]["lr"]]
+    for _ in range(updates):
+        trainer.optimizer_step()  # no gradients: the parameters stay, the clock advances
+        seen.append(trainer.optimizer.param_groups[0]["lr"])
+    return seen
+
+
+def test_cooldown_epochs_hold_min_lr_after_the_decay(tmp_path):
+    """The reference's --cooldown-epochs: `epochs` of warm-up + cosine, then the cooldown at min_lr (300 + 10)."""
+    schedule = {"warmup_epochs": 1, "min_lr": 1e-5, "cooldown_epochs": 2}
+    trainer = make_trainer(tmp_path, batches=5, epochs=3, schedule=schedule)  # 5 updates per epoch
+    assert trainer.cfg.total_epochs == 5
+    seen = lrs_per_update(trainer, 25)
+    assert seen[10] > 1e-5 and seen[15:] == pytest.approx([1e-5] * 11)
+
+
+def test_linear_schedule_decays_from_the_warmed_up_peak_to_min_lr(tmp_path):
+    """Colossal-AI's LinearWarmupLR: up to the peak at the warm-up's end, then a straight line down to 0."""
+    schedule = {"name": "linear", "warmup_epochs": 1, "warmup_lr": 0.0, "min_lr": 0.0}
+    trainer = make_trainer(tmp_path, batches=5, epochs=5, schedule=schedule)
+    peak, seen = trainer.lr, lrs_per_update(trainer, 25)
+    assert seen[:6] == pytest.approx([peak * t / 5 for t in range(6)])  # warm-up: 5 updates
+    assert seen[5:] == pytest.approx([peak * (1 - t / 20) for t in range(21)], abs=1e-12)  # 20 updates of decay
+
+
+def test_a_peak_lr_below_min_lr_is_refused_at_the_world_size_launched(tmp_path):
+    """params.yaml passes at launch.nproc_per_node (4 ranks: peak 2.5e-5); a world of one shrinks the global batch
+    and the LR below min_lr: refused at start, not trained with a rising "decay"."""
+    pretrain = {"batch_size": 4, "optimizer": {"lr_base": 1.6e-3}, "schedule": {"min_lr": 1e-5}}
+    params = make_params(launch={"nproc_per_node": 4}, pretrain=pretrain)
+    model = models.build_model(params.model, NUM_CLASSES, params.pretrain.img_size)
+    with pytest.raises(UserError, match=r"pretrain.optimizer.lr_base: the peak lr 6.25e-06 = lr_base 0.0016 x global "
+                                        r"batch 4 / 1024 \(1 ranks\) is at or below schedule.min_lr 1e-05"):
+        train.Trainer(
+            stage="pretrain", params=params, cfg=params.pretrain, model=model, classes=[str(i) for i in range(NUM_CLASSES)],
+            train_loader=ListLoader([None]), val_loader=ListLoader([None]), runtime=cpu_runtime(),
+            param_sections=("pretrain",), provenance={}, checkpoint_dir=tmp_path / "ckpt", model_file=tmp_path / "model.pt",
+            metrics_dir=tmp_path / "metrics",
+        )
+
+
 def test_no_weight_decay_on_1d_params_pos_embed_and_cls_token(tmp_path):
     trainer = make_trainer(tmp_path, optimizer={"weight_decay": 0.05})
     assert isinstance(trainer.optimizer, torch.optim.AdamW)

@@ -12,10 +12,13 @@ import functools
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, Tag, TypeAdapter, ValidationError, ValidationInfo, field_validator,
+    model_validator,
+)
 
 from coarse2fine.errors import UserError
 
@@ -167,38 +170,15 @@ class Augment(Section):
 
 
 VOLO_PATCH_SIZES = (4, 8, 16)  # the stem strides timm's VOLO is built for
+# The keys that set the tiny VOLO's layout: a named timm model has its own, so they cannot apply to it.
+CUSTOM_LAYOUT_KEYS = ("layers", "embed_dims", "num_heads", "mlp_ratio", "patch_size")
 
 
-class Model(Section):
-    # volo_custom (below) or any timm architecture: VOLO (volo_d1_224 ...), ViT/DeiT, CNNs (resnet*, dm_nfnet_*, ...)
-    name: str = CUSTOM_MODEL
-    # volo_custom only:
-    layers: tuple[int, ...] = (1, 1, 1, 1)
-    embed_dims: tuple[int, ...] = (64, 128, 128, 128)
-    num_heads: tuple[int, ...] = (2, 4, 4, 4)
-    mlp_ratio: float = Field(3.0, gt=0)
-    patch_size: int = Field(8, gt=0)  # stem stride; the token grid is img_size / (2 * patch_size)
-    drop_path: float = Field(0.0, ge=0, lt=1)
-    # CNNs that support it (timm's output_stride, by dilation): 32 is the usual; 16 or 8 give a finer feature
-    # map, i.e. a finer token-label grid from a teacher at the same input size. null: the model's own.
-    output_stride: int | None = None
+class ModelFamily(Section):
+    """What every model takes: its name and the training-time regularisation."""
 
-    @model_validator(mode="after")
-    def _known(self, info: ValidationInfo) -> Model:
-        check_names = (info.context or {}).get(CHECK_MODEL_NAMES, True)
-        if check_names and self.name != CUSTOM_MODEL and self.name not in timm_model_names():
-            close = difflib.get_close_matches(self.name, sorted(timm_model_names()), n=3)
-            hint = f"; did you mean {', '.join(close)}?" if close else " (see timm.list_models())"
-            raise ValueError(f"name: {self.name!r} is neither {CUSTOM_MODEL} nor a timm model{hint}")
-        if self.name == CUSTOM_MODEL and self.patch_size not in VOLO_PATCH_SIZES:
-            raise ValueError(f"patch_size: {self.patch_size} is not one of VOLO's {', '.join(map(str, VOLO_PATCH_SIZES))}")
-        if self.name == CUSTOM_MODEL and not (len(self.layers) == len(self.embed_dims) == len(self.num_heads)):
-            raise ValueError("layers, embed_dims and num_heads: must have the same length")
-        if any(dim % heads for dim, heads in zip(self.embed_dims, self.num_heads)):
-            raise ValueError("embed_dims: each must be divisible by its num_heads")
-        if self.output_stride is not None and (self.output_stride not in (8, 16, 32) or self.has_token_outputs):
-            raise ValueError(f"output_stride: {self.output_stride} is not 8, 16 or 32 of a CNN (null for the model's own)")
-        return self
+    name: str
+    drop_path: float = Field(0.0, ge=0, lt=1)  # stochastic depth (timm's drop_path_rate)
 
     @property
     def has_token_outputs(self) -> bool:
@@ -207,27 +187,125 @@ class Model(Section):
     @property
     def stride(self) -> int | None:
         """Pixels per token of a VOLO (the image side must be a multiple of it); None for other families."""
-        if not self.has_token_outputs:
-            return None
-        return 2 * (self.patch_size if self.name == CUSTOM_MODEL else 8)
+        return 16 if self.has_token_outputs else None  # timm's VOLOs: a stride-8 stem pooled by 2
 
     def token_grid(self, img_size: int) -> int | None:
         """The side of a VOLO's token grid at `img_size` (the token-label size S); None for other families."""
         return img_size // self.stride if self.stride else None
 
 
+class CustomVolo(ModelFamily):
+    """The project's VOLO of any size (timm's VOLO class), for tiny images and tests."""
+
+    name: Literal["volo_custom"] = CUSTOM_MODEL
+    layers: tuple[int, ...] = (1, 1, 1, 1)
+    embed_dims: tuple[int, ...] = (64, 128, 128, 128)
+    num_heads: tuple[int, ...] = (2, 4, 4, 4)
+    mlp_ratio: float = Field(3.0, gt=0)
+    patch_size: int = Field(8, gt=0)  # stem stride; the token grid is img_size / (2 * patch_size)
+
+    @model_validator(mode="after")
+    def _layout(self) -> CustomVolo:
+        if self.patch_size not in VOLO_PATCH_SIZES:
+            raise ValueError(f"patch_size: {self.patch_size} is not one of VOLO's {', '.join(map(str, VOLO_PATCH_SIZES))}")
+        if not len(self.layers) == len(self.embed_dims) == len(self.num_heads):
+            raise ValueError("layers, embed_dims and num_heads: must have the same length")
+        if any(dim % heads for dim, heads in zip(self.embed_dims, self.num_heads)):
+            raise ValueError("embed_dims: each must be divisible by its num_heads")
+        return self
+
+    @property
+    def stride(self) -> int:
+        return 2 * self.patch_size
+
+
+class TimmModel(ModelFamily):
+    """Any timm architecture by name (VOLO volo_d1_224 ..., ViT/DeiT, CNNs resnet*, dm_nfnet_* ...), built to timm's
+    own layout: only the training knobs below apply."""
+
+    # Dropout after the embeddings and in the blocks' projections (timm's pos_drop_rate and proj_drop_rate, which
+    # timm 0.4's `drop_rate` set together: Colossal-AI's ViT uses 0.1); architectures without them refuse it.
+    dropout: float = Field(0.0, ge=0, lt=1)
+    # CNNs that support it (timm's output_stride, by dilation): 32 is the usual; 16 or 8 give a finer feature
+    # map, i.e. a finer token-label grid from a teacher at the same input size. null: the model's own.
+    output_stride: int | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_name_and_no_custom_layout(cls, raw: Any, info: ValidationInfo) -> Any:
+        if not isinstance(raw, dict):
+            return raw  # pydantic reports the type
+        name = raw.get("name")
+        # The name first: a misspelt volo_custom or timm name is a typo, not a request for timm's layout.
+        check_names = (info.context or {}).get(CHECK_MODEL_NAMES, True)
+        if check_names and isinstance(name, str) and name not in timm_model_names():
+            close = difflib.get_close_matches(name, [CUSTOM_MODEL, *sorted(timm_model_names())], n=3)
+            hint = f"; did you mean {', '.join(close)}?" if close else " (see timm.list_models())"
+            raise ValueError(f"name: {name!r} is neither {CUSTOM_MODEL} nor a timm model{hint}")
+        given = [key for key in CUSTOM_LAYOUT_KEYS if key in raw]
+        if given:
+            one = len(given) == 1
+            raise ValueError(
+                f"{', '.join(given)}: set{'s' if one else ''} the layout of {CUSTOM_MODEL} only; {name!r} is built to "
+                f"timm's own layout (remove {'it' if one else 'them'})"
+            )
+        return raw
+
+    @model_validator(mode="after")
+    def _output_stride_of_a_cnn(self) -> TimmModel:
+        if self.output_stride is not None and (self.output_stride not in (8, 16, 32) or self.has_token_outputs):
+            raise ValueError(f"output_stride: {self.output_stride} is not 8, 16 or 32 of a CNN (null for the model's own)")
+        return self
+
+
+def _model_family(raw: Any) -> str:
+    name = raw.get("name", CUSTOM_MODEL) if isinstance(raw, dict) else getattr(raw, "name", None)
+    return CUSTOM_MODEL if name == CUSTOM_MODEL else "timm"
+
+
+# One schema per family, chosen by `name`: a key that cannot apply to the named model is an error naming it.
+Model = Annotated[
+    Annotated[CustomVolo, Tag(CUSTOM_MODEL)] | Annotated[TimmModel, Tag("timm")], Discriminator(_model_family)
+]
+MODEL_FAMILY_TAGS = (CUSTOM_MODEL, "timm")
+_MODEL_ADAPTER = TypeAdapter(Model)
+
+
+def parse_model(raw: dict[str, Any], *, strict: bool = True) -> CustomVolo | TimmModel:
+    """A `model` section on its own (e.g. a model file's record of it; strict=False turns its lists into tuples)."""
+    return _MODEL_ADAPTER.validate_python(raw, strict=strict)
+
+
 class Optimizer(Section):
     name: Literal["adamw", "lamb", "sgd"] = "adamw"
-    lr_base: float = Field(1.6e-2, gt=0)  # LR = lr_base * global_batch / 1024
+    lr_base: float = Field(1.6e-2, gt=0)  # the peak LR: lr_base x global batch / 1024 (lr_scaling linear)
+    # linear: the linear scaling rule (LR = lr_base x global batch / 1024) the reference code lacked; none: lr_base is
+    # the LR whatever the batch (the reference fine-tunes at an absolute 8e-6 with any batch).
+    lr_scaling: Literal["linear", "none"] = "linear"
     weight_decay: float = Field(0.05, ge=0)
     momentum: float = Field(0.9, ge=0, lt=1)  # sgd only
     betas: tuple[float, float] = (0.9, 0.999)  # adamw / lamb
 
+    def peak_lr(self, global_batch: int) -> float:
+        return self.lr_base * global_batch / 1024 if self.lr_scaling == "linear" else self.lr_base
+
+    def describe_lr(self, global_batch: int) -> str:
+        """How the peak LR was reached, for the start-up line and error messages."""
+        lr = f"lr {self.peak_lr(global_batch):.4g}"
+        if self.lr_scaling == "none":
+            return f"{lr} (lr_base, unscaled)"
+        return f"{lr} = lr_base {self.lr_base:g} x global batch {global_batch} / 1024"
+
 
 class Schedule(Section):
+    # cosine: timm's CosineLRScheduler (the VOLO recipe); linear: linear decay from the end of the warm-up to
+    # min_lr (Colossal-AI's LinearWarmupLR, min_lr 0).
+    name: Literal["cosine", "linear"] = "cosine"
     warmup_epochs: float = Field(1.0, ge=0)
     warmup_lr: float = Field(1e-6, ge=0)
     min_lr: float = Field(1e-5, ge=0)
+    # Epochs at min_lr after the decay's `epochs` (timm's --cooldown-epochs, 10 in the reference's main.py).
+    cooldown_epochs: int = Field(0, ge=0)
 
 
 class Ema(Section):
@@ -272,6 +350,24 @@ class Train(Section):
             raise ValueError(f"batch_size: {self.batch_size} is odd; Mixup/CutMix pairs the samples of a batch")
         return self
 
+    @property
+    def total_epochs(self) -> int:
+        """The decay's epochs and the cooldown's at min_lr after them."""
+        return self.epochs + self.schedule.cooldown_epochs
+
+    def global_batch(self, world_size: int) -> int:
+        return self.batch_size * self.accum_steps * world_size
+
+    def check_lr_decays(self, world_size: int) -> None:
+        """A peak LR at or below min_lr makes the "decay" rise (a small batch under lr_scaling linear does it)."""
+        global_batch = self.global_batch(world_size)
+        if self.optimizer.peak_lr(global_batch) <= self.schedule.min_lr:
+            raise ValueError(
+                f"optimizer.lr_base: the peak {self.optimizer.describe_lr(global_batch)} ({world_size} ranks) is at "
+                f"or below schedule.min_lr {self.schedule.min_lr:g}, so the schedule would rise: raise lr_base, "
+                f"lower min_lr, or use lr_scaling none"
+            )
+
 
 class TokenLabel(Section):
     """Token labeling in a training stage (sail-sg/volo's weights)."""
@@ -308,7 +404,7 @@ class Teacher(Train):
     mode: Literal["train", "import"] = "train"
     # import: a local weights file of `model` (.safetensors, or a state dict saved by torch: .pt/.pth/.bin)
     weights: str = ""
-    model: Model = Model()  # img_size (Train's) is the teacher's input size, for training and for generation
+    model: Model = CustomVolo()  # img_size (Train's) is the teacher's input size, for training and for generation
 
     @model_validator(mode="after")
     def _weights_for_import(self) -> Teacher:
@@ -376,7 +472,7 @@ class Params(Section):
     augment: Augment = Augment()
     teacher: Teacher = Teacher()
     token_labels: TokenLabels = TokenLabels()
-    model: Model = Model()
+    model: Model = CustomVolo()
     pretrain: Pretrain = Pretrain()
     finetune: Finetune = Finetune()
     evaluate: Evaluate = Evaluate()
@@ -396,6 +492,16 @@ class Params(Section):
         for key, size, model in checks:
             if model.stride and size % model.stride:
                 raise ValueError(f"{key}: {size} is not divisible by the model's token stride {model.stride} (2 x patch size)")
+        return self
+
+    @model_validator(mode="after")
+    def _lrs_decay(self) -> Params:
+        sections = ("pretrain", "finetune") if self.teacher.mode == "import" else ("teacher", "pretrain", "finetune")
+        for name in sections:
+            try:
+                getattr(self, name).check_lr_decays(self.launch.nproc_per_node)
+            except ValueError as error:
+                raise ValueError(f"{name}.{error}") from None
         return self
 
     @model_validator(mode="after")
@@ -426,7 +532,7 @@ KEY_PREFIX = re.compile(r"^[a-z_][a-z0-9_.]*: ")
 def _format(error: ValidationError) -> str:
     lines = []
     for item in error.errors():
-        path = ".".join(str(part) for part in item["loc"])
+        path = ".".join(str(part) for part in item["loc"] if part not in MODEL_FAMILY_TAGS)
         message = item["msg"].removeprefix("Value error, ")
         if item["type"] == "extra_forbidden":
             message = "unknown key"
@@ -479,8 +585,3 @@ def flatten(params: BaseModel, prefix: str = "") -> dict[str, Any]:
         else:
             flat[name] = list(value) if isinstance(value, tuple) else value
     return flat
-
-
-def scaled_lr(lr_base: float, global_batch: int) -> float:
-    """The linear scaling rule the reference code lacked: small batches get a proportionally small LR."""
-    return lr_base * global_batch / 1024

@@ -18,7 +18,7 @@ from timm.layers import resample_abs_pos_embed, resample_abs_pos_embed_nhwc
 from timm.models.volo import VOLO
 from torch import nn
 
-from coarse2fine.config import CUSTOM_MODEL, Model, flatten
+from coarse2fine.config import CUSTOM_LAYOUT_KEYS, CUSTOM_MODEL, CustomVolo, Model, flatten, parse_model
 from coarse2fine.errors import UserError
 from coarse2fine.files import atomic_path
 
@@ -28,7 +28,7 @@ def build_model(model_cfg: Model, num_classes: int, img_size: int, *, mix_token:
 
     `mix_token` (VOLO only) turns on MixToken in the training forward; the weights and `model(x)` are the same.
     """
-    if model_cfg.name == CUSTOM_MODEL:
+    if isinstance(model_cfg, CustomVolo):
         return VOLO(
             layers=list(model_cfg.layers),
             embed_dims=list(model_cfg.embed_dims),
@@ -46,6 +46,8 @@ def build_model(model_cfg: Model, num_classes: int, img_size: int, *, mix_token:
     pretrained_cfg = timm.models.get_pretrained_cfg(model_cfg.name)
     if pretrained_cfg is not None and pretrained_cfg.fixed_input_size:  # ViT, VOLO...: the pos-embed's size
         options["img_size"] = img_size
+    if model_cfg.dropout > 0:  # timm >= 0.9's names for what timm 0.4's ViT called drop_rate
+        options |= {"pos_drop_rate": model_cfg.dropout, "proj_drop_rate": model_cfg.dropout}
     if model_cfg.output_stride is not None:
         options["output_stride"] = model_cfg.output_stride
     if model_cfg.drop_path > 0:  # not every architecture takes it
@@ -247,7 +249,7 @@ def model_from_payload(
 ) -> nn.Module:
     """The model of a `read_model_file` payload (in eval mode, on `device`), at `img_size` or its own size."""
     try:
-        model_cfg = Model.model_validate(payload["model_cfg"], strict=False)  # lists back to tuples
+        model_cfg = parse_model(_current_model_record(payload["model_cfg"]), strict=False)  # lists back to tuples
         model = build_model(model_cfg, len(payload["classes"]), img_size or payload["img_size"])
     except ValueError as error:  # a bad model_cfg
         raise UserError(f"{path}: inconsistent model file: {_first_line(error)}") from None
@@ -270,8 +272,15 @@ def init_from_model_file(model: nn.Module, model_cfg: Model, path: str | Path) -
     return fit_state_dict(model, payload["model"], path, new_classes=True)
 
 
+def _current_model_record(record: dict[str, Any]) -> dict[str, Any]:
+    """Files written before the schema was per family recorded the tiny VOLO's layout keys for every model."""
+    if record.get("name") == CUSTOM_MODEL:
+        return record
+    return {key: value for key, value in record.items() if key not in CUSTOM_LAYOUT_KEYS}
+
+
 # Model keys that change how a model trains, not its weights' layout.
-TRAINING_ONLY_MODEL_KEYS = frozenset({"drop_path"})
+TRAINING_ONLY_MODEL_KEYS = frozenset({"drop_path", "dropout"})
 
 
 def atomic_save(obj: Any, path: str | Path) -> None:

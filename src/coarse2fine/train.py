@@ -37,7 +37,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from timm.optim import create_optimizer_v2
-from timm.scheduler import CosineLRScheduler
+from timm.scheduler import CosineLRScheduler, PolyLRScheduler
+from timm.scheduler.scheduler import Scheduler
 from timm.utils import ModelEmaV3, distribute_bn
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -92,20 +93,22 @@ def build_optimizer(model: nn.Module, cfg: config.Optimizer, lr: float) -> torch
     )
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: config.Train, updates_per_epoch: int) -> CosineLRScheduler:
-    """Linear warm-up then cosine decay to min_lr, stepped per optimizer update (not per epoch)."""
-    return CosineLRScheduler(
-        optimizer,
-        t_initial=cfg.epochs * updates_per_epoch,
-        warmup_t=round(cfg.schedule.warmup_epochs * updates_per_epoch),
-        warmup_lr_init=cfg.schedule.warmup_lr,
-        lr_min=cfg.schedule.min_lr,
-        t_in_epochs=False,
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: config.Train, updates_per_epoch: int) -> Scheduler:
+    """Linear warm-up, then the decay to min_lr over `epochs`, then min_lr for the cooldown epochs; stepped per
+    optimizer update (not per epoch)."""
+    schedule = cfg.schedule
+    warmup = round(schedule.warmup_epochs * updates_per_epoch)
+    common = {"warmup_t": warmup, "warmup_lr_init": schedule.warmup_lr, "lr_min": schedule.min_lr, "t_in_epochs": False}
+    if schedule.name == "cosine":  # timm's train.py and the reference: the warm-up overlays the cosine's start
+        return CosineLRScheduler(optimizer, t_initial=cfg.epochs * updates_per_epoch, **common)
+    # Colossal-AI's LinearWarmupLR: the decay starts at the peak where the warm-up ends (power 1: linear).
+    return PolyLRScheduler(
+        optimizer, t_initial=max(cfg.epochs * updates_per_epoch - warmup, 1), power=1.0, warmup_prefix=True, **common
     )
 
 
 class Trainer:
-    """`Trainer(...).fit()` trains `model` for `cfg.epochs`, resuming from the checkpoint if there is one.
+    """`Trainer(...).fit()` trains `model` for `cfg.total_epochs`, resuming from the checkpoint if there is one.
 
     Seed first (`seed_everything`), then build the model, so that a fresh run is reproducible.
     """
@@ -148,8 +151,12 @@ class Trainer:
         else:
             self.train_forward = train_forward
 
-        self.global_batch = cfg.batch_size * cfg.accum_steps * runtime.world_size
-        self.lr = config.scaled_lr(cfg.optimizer.lr_base, self.global_batch)
+        self.global_batch = cfg.global_batch(runtime.world_size)
+        try:  # params.yaml was checked at launch.nproc_per_node ranks; this is the world the launcher gave
+            cfg.check_lr_decays(runtime.world_size)
+        except ValueError as error:
+            raise UserError(f"params.yaml: {stage}.{error}") from None
+        self.lr = cfg.optimizer.peak_lr(self.global_batch)
         self.optimizer = build_optimizer(self.model, cfg.optimizer, self.lr)
         self.updates_per_epoch = math.ceil(len(train_loader) / cfg.accum_steps)
         self.scheduler = build_scheduler(self.optimizer, cfg, self.updates_per_epoch)
@@ -180,18 +187,18 @@ class Trainer:
                 tracker.resume_history(checkpoint["epoch"] - 1, checkpoint["metrics"])
             cfg, world = self.cfg, self.runtime.world_size
             self._print(
-                f"lr {self.lr:.4g} = lr_base {cfg.optimizer.lr_base:g} x global batch {self.global_batch} / 1024 "
-                f"({cfg.batch_size} per device x {cfg.accum_steps} accumulated x {world} ranks)"
+                f"{cfg.optimizer.describe_lr(self.global_batch)} (global batch {self.global_batch} = "
+                f"{cfg.batch_size} per device x {cfg.accum_steps} accumulated x {world} ranks)"
             )
             tracker.log_setup({"effective_lr": self.lr, "global_batch": self.global_batch, "world_size": world})
             for split in ("train", "val") if self.records_dir else ():
                 tracker.log_records(self.records_dir, split)
-            for epoch in range(self.start_epoch, self.cfg.epochs):
+            for epoch in range(self.start_epoch, self.cfg.total_epochs):
                 metrics = self._train_epoch(epoch) | self._validate()
                 self.save_checkpoint(epoch + 1, metrics, tracker.run_id)
                 tracker.log_metrics(metrics, step=epoch)
                 self._print(
-                    f"epoch {epoch + 1}/{self.cfg.epochs}: train loss {metrics['train_loss']:.4f}, "
+                    f"epoch {epoch + 1}/{self.cfg.total_epochs}: train loss {metrics['train_loss']:.4f}, "
                     f"val top-1 {metrics['val_top1']:.2f} % top-5 {metrics['val_top5']:.2f} %, lr {metrics['lr']:.3g}, "
                     f"{metrics['train_img_per_s']:.0f} img/s, {metrics['epoch_seconds']:.1f} s"
                 )
@@ -223,7 +230,7 @@ class Trainer:
         samples = 0
         start = time.perf_counter()
         batches = progress(
-            self.train_loader, total=num_batches, desc=f"{self.stage} epoch {epoch + 1}/{self.cfg.epochs}",
+            self.train_loader, total=num_batches, desc=f"{self.stage} epoch {epoch + 1}/{self.cfg.total_epochs}",
             disable=not self.runtime.is_main, leave=False,
         )
         for index, batch in enumerate(batches):

@@ -18,7 +18,8 @@ PARAM_SECTIONS = ("seed", "data")
 
 def main(params: Params, args: argparse.Namespace) -> None:
     out = Path(args.out)
-    with distributed.session() as runtime:
+    with distributed.session("cpu") as runtime:  # no GPU work: a gloo group (never nccl), even on a GPU node
+        runtime.announce("convert")
         with Tracker("convert", params, runtime, metrics_dir=Path(args.metrics), param_sections=PARAM_SECTIONS) as tracker:
             started = time.perf_counter()
             manifest = convert(params, runtime, out)

@@ -14,7 +14,7 @@ from pathlib import Path
 from coarse2fine import cli, distributed, models
 from coarse2fine.config import EVALUATED_MODELS, ModelEvaluation, Params
 from coarse2fine.data import records
-from coarse2fine.data.loaders import Loader, build_loader
+from coarse2fine.data.loaders import Loader, build_loader, resolve_backend
 from coarse2fine.distributed import Runtime
 from coarse2fine.errors import UserError
 from coarse2fine.evaluate import evaluate, write_confusion_matrix_png, write_per_class_json
@@ -32,13 +32,14 @@ def main(params: Params, args: argparse.Namespace) -> None:
     out = Path(args.out)
     classes_file = Path(args.records) / records.CLASSES_FILE
     classes = records.read_classes(args.records)
-    with distributed.session() as runtime:
+    with distributed.session(params.launch.device) as runtime:
         payload = models.read_model_file(args.model, runtime.device)  # read once, built at every size
         model = models.model_from_payload(payload, args.model, runtime.device)
         if payload["classes"] != classes:
             raise UserError(_class_mismatch(args.model, payload["classes"], classes_file, classes))
         own_size = payload["img_size"]
         stage = f"evaluate@{args.settings}"
+        runtime.announce(stage, "auto", loader=resolve_backend(params.loader.backend))  # evaluate()'s precision
         with Tracker(stage, params, runtime, metrics_dir=out, param_sections=param_sections(args.settings)) as tracker:
             tracker.set_tag("model_file", args.model)
             tracker.set_tag("model_stage", payload["stage"])

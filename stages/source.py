@@ -1,5 +1,6 @@
-"""List the source images (params data.source, data.root) into data/source.json: what convert reads; and an
-imported teacher's weights file (teacher.mode, teacher.weights) into data/teacher_source.json.
+"""List the source images (params data.source, data.root) into data/source.json: what convert reads; an
+imported teacher's weights file (teacher.mode, teacher.weights) into data/teacher_source.json; and imported token
+labels (token_labels.mode, token_labels.import_dir) into data/token_labels_source.json.
 
 dvc.yaml runs this stage at every `dvc repro` (always_changed): it stats every file under the data root, so
 an image added, removed or replaced changes data/source.json and reruns convert and what follows, while an
@@ -13,11 +14,16 @@ from pathlib import Path
 
 from coarse2fine import cli, files
 from coarse2fine.config import Params
-from coarse2fine.data.listing import source_state, weights_state
+from coarse2fine.data.listing import source_state, token_labels_state, weights_state
 
 
 def main(params: Params, args: argparse.Namespace) -> None:
-    for path, state in ((args.out, source_state(params.data)), (args.teacher_out, weights_state(params.teacher))):
+    listings = (
+        (args.out, source_state(params.data)),
+        (args.teacher_out, weights_state(params.teacher)),
+        (args.labels_out, token_labels_state(params.token_labels)),
+    )
+    for path, state in listings:
         with files.atomic_path(path) as temporary:
             temporary.write_text(json.dumps(state, indent=2) + "\n", encoding="utf-8")
 
@@ -27,5 +33,9 @@ if __name__ == "__main__":
     parser.add_argument("--out", type=Path, default=Path("data/source.json"), help="default: data/source.json")
     parser.add_argument(
         "--teacher-out", type=Path, default=Path("data/teacher_source.json"), help="default: data/teacher_source.json"
+    )
+    parser.add_argument(
+        "--labels-out", type=Path, default=Path("data/token_labels_source.json"),
+        help="default: data/token_labels_source.json",
     )
     cli.run(main, parser, check_model_names=False)  # no model here; every later stage checks them

@@ -23,7 +23,7 @@ PARAM_SECTIONS = ("seed", "teacher", "loader", "augment")
 def main(params: Params, args: argparse.Namespace) -> None:
     cfg = params.teacher
     classes = records.read_classes(args.records)
-    with distributed.session() as runtime:
+    with distributed.session(params.launch.device) as runtime:
         loaders = {
             split: build_loader(
                 split, args.records, img_size=cfg.img_size, batch_size=cfg.batch_size, runtime=runtime,
@@ -31,6 +31,7 @@ def main(params: Params, args: argparse.Namespace) -> None:
             )
             for split in (("train", "val") if cfg.mode == "train" else ("val",))
         }
+        runtime.announce("teacher", cfg.precision, loader=loaders["val"].backend)
         train.seed_everything(params.seed, runtime)
         model = models.build_model(cfg.model, num_classes=len(classes), img_size=cfg.img_size)
         model_file = Path(args.out) / "model.pt"
@@ -58,7 +59,7 @@ def import_teacher(params, model, classes, records_dir, val_loader, runtime, mod
             f"the loaders normalise with ImageNet's {IMAGE_MEAN} {IMAGE_STD} (the val top-1 below shows the cost)",
             flush=True,
         )
-    model = model.to(runtime.device).eval()
+    model = runtime.place(model).eval()
     with Tracker("teacher", params, runtime, metrics_dir=metrics_dir, param_sections=PARAM_SECTIONS) as tracker:
         tracker.log_records(records_dir, "val")
         result = evaluate(model, val_loader, runtime, len(classes), cfg.precision)

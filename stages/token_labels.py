@@ -1,24 +1,30 @@
 """Token labels (params token_labels.*): the teacher's top-k dense scores for every train record, in data/token_labels.
 
-Ranks split the records; a killed run resumes from its last finished chunk (data/token_labels_partial);
-1 or N ranks write the same bytes. Metrics: the teacher's dense top-1 (spatially averaged map vs the label) and
-its cells' top-1, what the student will be taught against what the teacher said (entropy and top-1 of the
-whole-image target from the store vs the teacher's own prediction, the probability the top k leave), bytes per
-image and what the same settings would take for ImageNet-1K, generation img/s.
+`token_labels.mode: generate` runs the teacher: ranks split the records; a killed run resumes from its last
+finished chunk (data/token_labels_partial); 1 or N ranks write the same bytes. `import` reads the reference's
+published label files instead (token_labels.import_dir; coarse2fine.labels.imported), no teacher forward.
+Metrics: the teacher's dense top-1 (spatially averaged map vs the label) and its cells' top-1, what the student
+will be taught against what the teacher said (entropy and top-1 of the whole-image target from the store vs the
+teacher's own prediction, the probability the top k leave), bytes per image and what the same settings would take
+for ImageNet-1K, generation (or import) img/s.
 """
 
 import argparse
+import functools
 import hashlib
 import json
 import math
 from pathlib import Path
+from typing import Callable
 
 from coarse2fine import cli, distributed, models, provenance
 from coarse2fine.config import Params
 from coarse2fine.data import records
+from coarse2fine.distributed import Runtime
 from coarse2fine.errors import UserError
 from coarse2fine.files import file_sha256
-from coarse2fine.labels.generate import REFERENCE_IMAGENET_BYTES, View, dense_head, generate
+from coarse2fine.labels.generate import REFERENCE_IMAGENET_BYTES, Generation, View, dense_head, generate
+from coarse2fine.labels.imported import REFERENCE_VIEW, import_labels
 from coarse2fine.tracking import Tracker
 
 # What this stage reads (as dvc.yaml lists it): the generation's settings, the loader's worker count, the resize.
@@ -28,32 +34,11 @@ PARAM_SECTIONS = ("token_labels", "loader.workers", "augment.interpolation")
 def main(params: Params, args: argparse.Namespace) -> None:
     cfg = params.token_labels
     classes = records.read_classes(args.records)
-    records_digest = records.manifest_digest(args.records)
-    with distributed.session() as runtime:
-        teacher, info = models.load_model_file(args.teacher, runtime.device)
-        if info["classes"] != classes:
-            raise UserError(f"{args.teacher}: a teacher for other classes than {args.records}; rerun the teacher stage")
-        # What the store is a function of: a killed run's chunks are only kept when all of it is the same.
-        inputs = {
-            **provenance.result_params(params, PARAM_SECTIONS),
-            "teacher_digest": file_sha256(args.teacher),
-            "records_digest": records_digest,
-            **provenance.fingerprint(__file__),
-        }
-        header = {
-            "teacher": {"name": info["model_cfg"]["name"], "img_size": info["img_size"], "view": cfg.teacher_view},
-            "records_digest": records_digest,
-            "inputs_digest": hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest(),
-        }
+    with distributed.session(params.launch.device) as runtime:
+        make_store = _importer(params, args, runtime) if cfg.mode == "import" else _generator(params, args, runtime, classes)
         with Tracker("token_labels", params, runtime, metrics_dir=args.metrics, param_sections=PARAM_SECTIONS) as tracker:
             tracker.log_records(args.records, "train")
-            result = generate(
-                dense_head(teacher), args.records, out_dir=args.out, work_dir=args.work_dir,
-                view=View(cfg.teacher_view, info["img_size"], params.augment.interpolation),
-                top_k=cfg.top_k, batch_size=cfg.batch_size, workers=params.loader.workers, runtime=runtime,
-                autocast_dtype=runtime.autocast_dtype(cfg.precision), inputs=inputs, header=header,
-            )
-            metrics = result.metrics()
+            metrics = make_store().metrics()
             tracker.log_summary(metrics)
             if runtime.is_main:
                 print(
@@ -71,10 +56,57 @@ def main(params: Params, args: argparse.Namespace) -> None:
                 )
 
 
+def _generator(
+    params: Params, args: argparse.Namespace, runtime: Runtime, classes: list[str]
+) -> Callable[[], Generation]:
+    """The teacher's forward over every train record (mode generate)."""
+    cfg = params.token_labels
+    runtime.announce("token_labels", cfg.precision, loader="torch")  # generate's own DataLoader
+    teacher, info = models.load_model_file(args.teacher, runtime.device)
+    if info["classes"] != classes:
+        raise UserError(f"{args.teacher}: a teacher for other classes than {args.records}; rerun the teacher stage")
+    records_digest = records.manifest_digest(args.records)
+    # What the store is a function of: a killed run's chunks are only kept when all of it is the same.
+    inputs = {
+        **provenance.result_params(params, PARAM_SECTIONS),
+        "teacher_digest": file_sha256(args.teacher),
+        "records_digest": records_digest,
+        **provenance.fingerprint(__file__),
+    }
+    header = {
+        "teacher": {"name": info["model_cfg"]["name"], "img_size": info["img_size"], "view": cfg.teacher_view},
+        "records_digest": records_digest,
+        "inputs_digest": hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest(),
+    }
+    return functools.partial(
+        generate, dense_head(runtime.place(teacher)), args.records, out_dir=args.out, work_dir=args.work_dir,
+        view=View(cfg.teacher_view, info["img_size"], params.augment.interpolation),
+        top_k=cfg.top_k, batch_size=cfg.batch_size, workers=params.loader.workers, runtime=runtime,
+        autocast_dtype=runtime.autocast_dtype(cfg.precision), inputs=inputs, header=header,
+    )
+
+
+def _importer(params: Params, args: argparse.Namespace, runtime: Runtime) -> Callable[[], Generation]:
+    """The reference's label files read into the store (mode import); the teacher is not loaded."""
+    cfg = params.token_labels
+    runtime.announce("token_labels (import)")
+    Path(args.work_dir).mkdir(parents=True, exist_ok=True)  # a dvc.yaml output; only generate resumes from it
+    header = {
+        "teacher": {"imported_from": cfg.import_dir, "view": REFERENCE_VIEW},
+        "records_digest": records.manifest_digest(args.records),
+    }
+    return functools.partial(
+        import_labels, args.records, cfg.import_dir, out_dir=args.out, top_k=cfg.top_k, batch_size=cfg.batch_size,
+        runtime=runtime, header=header,
+    )
+
+
 if __name__ == "__main__":
     parser = cli.stage_parser(__doc__.splitlines()[0])
     parser.add_argument("--records", default="data/records", help="records directory (default: data/records)")
-    parser.add_argument("--teacher", default="models/teacher/model.pt", help="default: models/teacher/model.pt")
+    parser.add_argument(
+        "--teacher", default="models/teacher/model.pt", help="mode generate: the teacher (default: models/teacher/model.pt)"
+    )
     parser.add_argument("--out", default="data/token_labels", help="the label store (default: data/token_labels)")
     parser.add_argument(
         "--work-dir", default="data/token_labels_partial", help="a run's resumable work (default: data/token_labels_partial)"

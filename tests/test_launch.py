@@ -34,13 +34,18 @@ def empty_class(root: Path) -> Path:
     return root
 
 
-def model_with_other_classes(project: Project) -> None:
+def pretrained_model(project: Project, classes: list[str]) -> None:
+    """An untrained tiny VOLO over `classes` as models/pretrain/model.pt."""
     model_cfg = CustomVolo()
-    model = models.build_model(model_cfg, num_classes=10, img_size=32)
+    model = models.build_model(model_cfg, num_classes=len(classes), img_size=32)
     models.save_model_file(
-        project.path / "models/pretrain/model.pt", model, model_cfg=model_cfg, img_size=32,
-        classes=[f"class {i}" for i in range(10)], stage="pretrain",
+        project.path / "models/pretrain/model.pt", model, model_cfg=model_cfg, img_size=32, classes=classes,
+        stage="pretrain",
     )
+
+
+def model_with_other_classes(project: Project) -> None:
+    pretrained_model(project, [f"class {i}" for i in range(10)])
 
 
 def teacher_file(project: Project, classes: list[str], num_classes: int | None = None) -> Path:
@@ -112,6 +117,10 @@ MISTAKES: dict[str, tuple[str, Callable[[Project, Path], dict], list[str]]] = {
     "no token labels yet": (
         "pretrain", lambda project, tmp: {}, ["data/token_labels", "run the token_labels stage first"],
     ),
+    "launch.device cuda without a GPU (this machine's)": (
+        "teacher", lambda project, tmp: {"launch": {"nproc_per_node": 2, "device": "cuda"}},
+        ["launch.device: cuda", "finds no usable GPU", "set launch.device: cpu"],
+    ),
     "more top-k classes than classes": (
         "token_labels", lambda project, tmp: teacher_file(project, DIGITS) and {"token_labels": {"top_k": 11}},
         ["token_labels.top_k", "11 is more than the 10 classes"],
@@ -139,3 +148,20 @@ def test_a_user_mistake_is_one_line_and_exit_2(mistake, digits_records, tmp_path
     assert errors == lines[-1:], result.stderr[-3000:]
     assert all(word in errors[0] for word in words), errors[0]
     assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr
+
+
+def test_a_stage_says_in_one_line_at_start_what_it_runs_on(digits_records, tmp_path):
+    """Device, process-group backend, precision and loader graph, from rank 0 (launch.device auto on a CPU)."""
+    project = Project(tmp_path / "project")
+    (project.path / "data").mkdir()
+    (project.path / "data/records").symlink_to(digits_records)
+    pretrained_model(project, DIGITS)
+    project.edit_params({"launch": {"nproc_per_node": 2}})
+
+    result = subprocess.run(
+        project.stage_command("evaluate@pretrain"), shell=True, cwd=project.path, env=project.env,
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    startup = [line for line in result.stdout.splitlines() if line.startswith("evaluate@pretrain: device ")]
+    assert startup == ["evaluate@pretrain: device cpu x2, backend gloo, precision fp32, loader dali (cpu graph)"]

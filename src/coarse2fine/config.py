@@ -54,6 +54,9 @@ class Section(BaseModel):
 
 class Launch(Section):
     nproc_per_node: int = Field(1, gt=0)
+    # auto: a GPU per local rank when torch sees any, else the CPU; cuda: a GPU per local rank or exit 2, never the
+    # CPU (a driver too old for torch's CUDA build would otherwise train on the CPU); cpu: the CPU even on a GPU node.
+    device: Literal["auto", "cuda", "cpu"] = "auto"
 
 
 class DigitsSource(Section):
@@ -343,6 +346,7 @@ class Train(Section):
     ema: Ema = Ema()
     mixup: Mixup = Mixup()
     val_crop_pct: float = Field(1.0, gt=0, le=2)
+    compile: bool = False  # torch.compile the training forward (the first steps compile it: minutes on a big model)
 
     @model_validator(mode="after")
     def _mixup_pairs(self) -> Train:
@@ -414,15 +418,25 @@ class Teacher(Train):
 
 
 class TokenLabels(Section):
-    """Generation of the token-label store from the teacher."""
+    """The token-label store: generated from the teacher, or imported from the reference's published label files."""
 
-    top_k: int = Field(5, gt=0)  # classes kept per grid cell (logits + indices)
+    # generate: run the teacher over every train record. import: read the reference's per-image label files
+    # (TokenLabeling's generate_label.py layout; NFNet-F6's for ImageNet) from import_dir, no teacher forward.
+    mode: Literal["generate", "import"] = "generate"
+    import_dir: str = ""  # import: the label root, <class folder>/<image name up to its first dot>.pt per image
+    top_k: int = Field(5, gt=0)  # classes kept per grid cell (logits + indices); import: the files' k
     # whole: the whole image resized to the teacher's input size, so the map covers exactly the area crop windows
     # are normalised by. center: resize the shorter side + centre crop (the reference): misaligned for
     # non-square images, for parity runs only.
     teacher_view: Literal["whole", "center"] = "whole"
     batch_size: int = Field(64, gt=0)
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # of the teacher's forward; logits stored in fp16
+
+    @model_validator(mode="after")
+    def _import_dir_for_import(self) -> TokenLabels:
+        if self.mode == "import" and not self.import_dir:
+            raise ValueError("import_dir: required when mode is 'import' (the directory of the reference's label files)")
+        return self
 
 
 class ModelEvaluation(Section):

@@ -8,9 +8,9 @@ It is torchrun (the same argument parser and elastic launch, in this process), p
   `PYTHONPATH=src`), not the main workspace the editable install points at: a `dvc exp run --queue/--temp`
   copy runs its own code, the code whose hash DVC recorded;
 - a user mistake found inside a worker (a `UserError`: a missing data root, a batch larger than a rank's
-  share, ...) ends the stage with that one line and exit code 2, instead of torchrun's ChildFailedError
-  report. Workers hand their message over in a file (`cli.report_user_error`); any other failure keeps
-  torchrun's full report and exits 1.
+  share, `launch.device: cuda` where torch finds too few GPUs, ...) ends the stage with that one line and exit
+  code 2, instead of torchrun's ChildFailedError report. Workers hand their message over in a file
+  (`cli.report_user_error`); any other failure keeps torchrun's full report and exits 1.
 """
 
 from __future__ import annotations

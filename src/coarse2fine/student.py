@@ -45,7 +45,7 @@ def train_student(
         inputs["token_labels_digest"] = store.header_digest(paths.token_labels)
     if paths.init_from is not None:
         inputs["init_digest"] = file_sha256(models.existing_file(paths.init_from, "model file"))
-    with distributed.session() as runtime:
+    with distributed.session(params.launch.device) as runtime:
         loaders = {
             split: build_loader(
                 split, paths.records, img_size=cfg.img_size, batch_size=cfg.batch_size, runtime=runtime,
@@ -53,6 +53,7 @@ def train_student(
             )
             for split in ("train", "val")
         }
+        runtime.announce(stage, cfg.precision, loader=loaders["train"].backend)
         train.seed_everything(params.seed, runtime)
         model = models.build_model(
             params.model, num_classes=len(classes), img_size=cfg.img_size, mix_token=cfg.token_label.mixes_tokens

@@ -100,7 +100,7 @@ TRAINING_KIND = "custom_model_development"
 MAX_PARAMS_PER_BATCH, MAX_METRICS_PER_BATCH = 100, 1000  # MLflow's limits for one log_batch
 # What `pipeline_identity` hashes, relative to the directory a stage runs in (the repo, or DVC's copy of it).
 CODE_DIRS = ("src", "stages")
-DATA_LISTINGS = ("data/source.json", "data/teacher_source.json")
+DATA_LISTINGS = ("data/source.json", "data/teacher_source.json", "data/token_labels_source.json")
 SYSTEM_METRICS_SECONDS = 10
 SOURCE_TAGS = (MLFLOW_SOURCE_NAME, MLFLOW_SOURCE_TYPE)  # the UI's Source column
 HTTP_RETRIES = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}

@@ -55,6 +55,7 @@ from coarse2fine.tracking import Tracker
 
 CHECKPOINT_FILE = "last.pt"
 PROGRESS_EVERY = 10  # steps between updates of the progress bar's loss
+FUSED_OPTIMIZERS = ("adamw", "sgd")  # timm names torch.optim.AdamW and SGD, which have a fused kernel
 
 
 class Objective(Protocol):
@@ -84,12 +85,17 @@ def seed_everything(seed: int, runtime: Runtime) -> None:
     torch.manual_seed(seed)
 
 
-def build_optimizer(model: nn.Module, cfg: config.Optimizer, lr: float) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: nn.Module, cfg: config.Optimizer, lr: float, *, fused: bool = False
+) -> torch.optim.Optimizer:
+    """`fused` (`Runtime.fused_optimizer`): one fused kernel per step where the class behind timm's name has one
+    (torch.optim.AdamW and SGD: create_optimizer_v2 passes `fused` through); timm's LAMB has none."""
     # timm exempts 1-D params (norms, biases) and model.no_weight_decay() (pos_embed, cls_token) from weight
     # decay, so `model` must be the model itself: through a wrapper the names would not match.
     betas = {} if cfg.name == "sgd" else {"betas": cfg.betas}
+    kernel = {"fused": True} if fused and cfg.name in FUSED_OPTIMIZERS else {}
     return create_optimizer_v2(
-        model, opt=cfg.name, lr=lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum, **betas
+        model, opt=cfg.name, lr=lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum, **betas, **kernel
     )
 
 
@@ -143,8 +149,10 @@ class Trainer:
         self.records_dir = records_dir
         self.model_cfg = model_cfg or params.model  # what the model file records as the architecture
 
-        self.model = model.to(runtime.device)
+        self.model = runtime.place(model)
         train_forward = models.TrainForward(self.model)
+        if cfg.compile:  # the training forward only (validation and the saved model stay the eager module)
+            train_forward = torch.compile(train_forward)
         if dist.is_initialized():
             device_ids = [runtime.device.index] if runtime.is_cuda else None  # CPU modules must get None
             self.train_forward = DistributedDataParallel(train_forward, device_ids=device_ids)
@@ -157,7 +165,7 @@ class Trainer:
         except ValueError as error:
             raise UserError(f"params.yaml: {stage}.{error}") from None
         self.lr = cfg.optimizer.peak_lr(self.global_batch)
-        self.optimizer = build_optimizer(self.model, cfg.optimizer, self.lr)
+        self.optimizer = build_optimizer(self.model, cfg.optimizer, self.lr, fused=runtime.fused_optimizer)
         self.updates_per_epoch = math.ceil(len(train_loader) / cfg.accum_steps)
         self.scheduler = build_scheduler(self.optimizer, cfg, self.updates_per_epoch)
         self.objective = objective or losses.GroundTruthObjective.from_params(cfg, len(self.classes))
@@ -228,6 +236,7 @@ class Trainer:
         num_batches = len(self.train_loader)
         loss_sum = torch.zeros((), device=self.runtime.device)
         samples = 0
+        self.runtime.synchronize()  # GPU timings wait for the queued work, at both ends
         start = time.perf_counter()
         batches = progress(
             self.train_loader, total=num_batches, desc=f"{self.stage} epoch {epoch + 1}/{self.cfg.total_epochs}",
@@ -246,6 +255,7 @@ class Trainer:
             samples += batch_size
             if index % PROGRESS_EVERY == 0:  # loss.item() waits for the GPU: not on every step
                 batches.set_postfix(loss=f"{loss.item():.3f}", lr=f"{self._current_lr():.2e}", refresh=False)
+        self.runtime.synchronize()
         seconds = time.perf_counter() - start
         if dist.is_initialized():
             # DDP gives every forward rank 0's BatchNorm statistics, but each rank's last forward updated its

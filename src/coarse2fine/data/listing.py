@@ -7,7 +7,9 @@ file, nothing read), hashed, as make and rsync judge a file changed. For digits:
 scikit-image's version. convert depends on the
 result, so an image added, removed or replaced reruns convert and what follows; an unchanged tree gives the
 same bytes and leaves every stage cached. The teacher's weights file (teacher.mode import) is judged the same
-way, by its path, size and modification time, so replacing it reruns the teacher and what follows.
+way, by its path, size and modification time, so replacing it reruns the teacher and what follows; and so is
+the directory of imported token labels (token_labels.mode import), every file listed like an image folder's, so
+a changed label set reruns token_labels and what follows.
 Kept free of heavy imports (no torch): it runs on every repro.
 """
 
@@ -19,7 +21,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterator
 
-from coarse2fine.config import Data, Teacher
+from coarse2fine.config import Data, Teacher, TokenLabels
 from coarse2fine.errors import UserError
 
 
@@ -31,15 +33,7 @@ def source_state(data: Data) -> dict[str, Any]:
     root = Path(data.root)
     if not root.is_dir():
         raise UserError(f"data.root: {root}: data root not found (expected train/<class>/ and val/<class>/ folders)")
-    digest = hashlib.sha256()
-    counts: dict[str, int] = {}
-    total_bytes = 0
-    for path, stat in _visible_files(root):
-        relative = path.relative_to(root)
-        digest.update(f"{relative.as_posix()}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode("utf-8", "surrogateescape"))
-        counts[relative.parts[0]] = counts.get(relative.parts[0], 0) + 1
-        total_bytes += stat.st_size
-    return {"kind": "imagefolder", "root": str(root), "files": counts, "bytes": total_bytes, "digest": digest.hexdigest()}
+    return {"kind": "imagefolder", "root": str(root), **_tree_state(root)}
 
 
 def weights_state(teacher: Teacher) -> dict[str, Any]:
@@ -50,6 +44,30 @@ def weights_state(teacher: Teacher) -> dict[str, Any]:
         raise UserError(f"teacher.weights: {path}: weights file not found")
     stat = path.stat()
     return {"mode": "import", "path": str(path), "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def token_labels_state(token_labels: TokenLabels) -> dict[str, Any]:
+    if token_labels.mode == "generate":
+        return {"mode": "generate"}
+    root = Path(token_labels.import_dir)
+    if not root.is_dir():
+        raise UserError(f"token_labels.import_dir: {root}: directory not found (the reference's <class>/<image>.pt files)")
+    state = _tree_state(root)
+    state["files"] = sum(state["files"].values())  # one count: ImageNet's would list 1000 class folders
+    return {"mode": "import", "root": str(root), **state}
+
+
+def _tree_state(root: Path) -> dict[str, Any]:
+    """Files per top-level folder, their total bytes, and a digest of every file's path, size and mtime."""
+    digest = hashlib.sha256()
+    counts: dict[str, int] = {}
+    total_bytes = 0
+    for path, stat in _visible_files(root):
+        relative = path.relative_to(root)
+        digest.update(f"{relative.as_posix()}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode("utf-8", "surrogateescape"))
+        counts[relative.parts[0]] = counts.get(relative.parts[0], 0) + 1
+        total_bytes += stat.st_size
+    return {"files": counts, "bytes": total_bytes, "digest": digest.hexdigest()}
 
 
 def _visible_files(directory: Path) -> Iterator[tuple[Path, os.stat_result]]:

@@ -227,6 +227,7 @@ def generate(
     loader = DataLoader(dataset, batch_sampler=batches, num_workers=workers, pin_memory=runtime.is_cuda)
     mean = torch.tensor(IMAGE_MEAN, device=runtime.device).view(1, 3, 1, 1) * 255
     std = torch.tensor(IMAGE_STD, device=runtime.device).view(1, 3, 1, 1) * 255
+    runtime.synchronize()  # GPU timings wait for the queued work, at both ends
     start_time = time.perf_counter()
     chunk_stats: dict[str, float] = {}
     generated = 0
@@ -245,6 +246,7 @@ def generate(
             arrays.flush()
             write_json(_marker(work_dir, positions[0] // chunk), chunk_stats)
             chunk_stats = {}
+    runtime.synchronize()
     seconds = time.perf_counter() - start_time
 
     totals = distributed.all_reduce_sum(torch.tensor([float(generated), seconds]))

@@ -1,0 +1,118 @@
+"""The Trainer's GPU options, checked on a CPU: fused optimizer kernels (what `Runtime.fused_optimizer` turns on for
+a GPU), `train.compile` on the training forward, and throughput timed with the device synchronised."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import cpu_runtime, make_params
+from torch._dynamo.eval_frame import OptimizedModule
+
+from coarse2fine import config, models, train
+from coarse2fine.distributed import Runtime
+
+NUM_CLASSES = 10
+
+
+def batch(seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        "image": torch.randn(4, 3, 32, 32, generator=generator),
+        "label": torch.randint(0, NUM_CLASSES, (4,), generator=generator),
+    }
+
+
+class OneBatchLoader:
+    def __init__(self, batches: list[dict[str, torch.Tensor]]):
+        self.batches = batches
+
+    def set_epoch(self, epoch: int) -> None:
+        pass
+
+    def __iter__(self):
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+def ground_truth_trainer(tmp_path: Path, runtime: Runtime | None = None, **pretrain) -> train.Trainer:
+    params = make_params(pretrain={"batch_size": 4, "token_label": {"enabled": False}, **pretrain})
+    torch.manual_seed(0)
+    model = models.build_model(params.model, NUM_CLASSES, params.pretrain.img_size)
+    loader = OneBatchLoader([batch(1), batch(2)])
+    return train.Trainer(
+        stage="pretrain", params=params, cfg=params.pretrain, model=model, classes=[str(i) for i in range(NUM_CLASSES)],
+        train_loader=loader, val_loader=loader, runtime=runtime or cpu_runtime(), param_sections=("pretrain",),
+        provenance={}, checkpoint_dir=tmp_path / "ckpt", model_file=tmp_path / "model.pt",
+        metrics_dir=tmp_path / "metrics",
+    )
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_a_fused_optimizer_takes_the_same_step_as_the_default_one(name):
+    """torch's fused AdamW/SGD kernels run on CPUs too: the same update, so turning them on for GPUs is safe."""
+    cfg = config.Optimizer(name=name, lr_base=0.1)
+    steps = {}
+    for fused in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+        optimizer = train.build_optimizer(model, cfg, lr=0.1, fused=fused)
+        assert optimizer.defaults.get("fused") is (True if fused else None)
+        model(torch.ones(2, 8)).square().sum().backward()
+        optimizer.step()
+        steps[fused] = torch.cat([parameter.detach().flatten() for parameter in model.parameters()])
+    torch.testing.assert_close(steps[True], steps[False])
+
+
+def test_lamb_has_no_fused_kernel_to_ask_for():
+    optimizer = train.build_optimizer(torch.nn.Linear(2, 2), config.Optimizer(name="lamb"), lr=0.1, fused=True)
+    assert "fused" not in optimizer.defaults
+
+
+def test_the_trainer_fuses_the_optimizer_on_a_gpu_only(tmp_path):
+    assert cpu_runtime().fused_optimizer is False
+    assert ground_truth_trainer(tmp_path).optimizer.defaults.get("fused") is None
+
+
+def test_compile_wraps_the_training_forward_and_leaves_the_saved_model_eager(tmp_path):
+    eager = ground_truth_trainer(tmp_path / "eager")
+    compiled = ground_truth_trainer(tmp_path / "compiled", compile=True)
+    assert not isinstance(eager.train_forward, OptimizedModule)
+    assert isinstance(compiled.train_forward, OptimizedModule)
+    assert isinstance(compiled.train_forward._orig_mod, models.TrainForward)
+    assert compiled.eval_model is compiled.model and not isinstance(compiled.model, OptimizedModule)
+
+
+@pytest.mark.slow
+def test_a_compiled_step_computes_what_the_eager_step_does(tmp_path):
+    """One tiny step through inductor (about 40 s on 2 CPU cores for the compilation; seconds once inductor's cache
+    holds it): the same loss and update."""
+    results = []
+    for compile_forward in (False, True):
+        trainer = ground_truth_trainer(tmp_path / str(compile_forward), compile=compile_forward)
+        loss = trainer.backward(batch(1), micro_steps=1, sync=True)
+        trainer.optimizer_step()
+        results.append((loss, torch.cat([parameter.detach().flatten() for parameter in trainer.model.parameters()])))
+    torch.testing.assert_close(results[1], results[0], rtol=1e-4, atol=1e-5)
+
+
+def test_the_epoch_is_timed_with_the_device_synchronised(tmp_path, monkeypatch):
+    """On a GPU the steps are queued: each clock reading of the throughput follows a synchronize."""
+    events = []
+
+    @dataclasses.dataclass(frozen=True)
+    class RecordingRuntime(Runtime):
+        def synchronize(self) -> None:
+            events.append("synchronize")
+
+    clock = train.time.perf_counter
+    monkeypatch.setattr(train.time, "perf_counter", lambda: events.append("clock") or clock())
+    trainer = ground_truth_trainer(tmp_path, runtime=RecordingRuntime(0, 1, 0, torch.device("cpu")))
+    events.clear()
+    trainer._train_epoch(0)
+    clock_reads = [index for index, event in enumerate(events) if event == "clock"]
+    assert len(clock_reads) == 2 and all(events[index - 1] == "synchronize" for index in clock_reads)

@@ -32,7 +32,7 @@ import yaml
 from _common import CPU, PROJECT_ROOT, CpuTimed, goal, header_line, interleaved, markdown_table, write_json
 from coarse2fine import losses, models
 from coarse2fine.config import Params, parse_params
-from coarse2fine.data.loaders import IDENTITY_AFFINE
+from coarse2fine.data.loaders import IDENTITY_AFFINE, with_target_inputs
 from coarse2fine.labels.store import TokenLabelStore, write_store
 from coarse2fine.train import Trainer, seed_everything
 
@@ -124,16 +124,20 @@ class BareLoop:
 
 
 class InMemoryLoader:
-    """The Trainer's Loader protocol over pre-loaded batches."""
+    """The Trainer's Loader protocol over pre-loaded batches; with `token_labels`, each batch gets its store rows
+    as the real loader adds them (the lookup is timed with the step)."""
 
-    def __init__(self, batches: list[dict[str, torch.Tensor]]):
+    def __init__(self, batches: list[dict[str, torch.Tensor]], token_labels: TokenLabelStore | None = None):
         self.batches = batches
+        self.token_labels = token_labels
 
     def set_epoch(self, epoch: int) -> None:
         pass
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        return iter(self.batches)
+        if self.token_labels is None:
+            return iter(self.batches)
+        return (with_target_inputs(batch, self.token_labels) for batch in self.batches)
 
     def __len__(self) -> int:
         return len(self.batches)
@@ -147,10 +151,10 @@ def new_trainer(
     token_labels: TokenLabelStore | None = None,
     mix_token: bool = False,
 ) -> Trainer:
-    loader = InMemoryLoader(batches)
+    loader = InMemoryLoader(batches, token_labels)
     objective = None
     if token_labels is not None:
-        objective = losses.TokenLabelObjective(token_labels, label_smoothing=params.pretrain.label_smoothing)
+        objective = losses.TokenLabelObjective(NUM_CLASSES, label_smoothing=params.pretrain.label_smoothing)
     return Trainer(
         stage="bench", params=params, cfg=params.pretrain, model=new_model(params, mix_token),
         classes=[str(i) for i in range(NUM_CLASSES)], train_loader=loader, val_loader=loader, runtime=CPU,

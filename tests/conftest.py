@@ -20,6 +20,7 @@ from coarse2fine.config import Params, parse_params
 from coarse2fine.data.convert import convert
 from coarse2fine.data.loaders import build_loader
 from coarse2fine.distributed import Runtime
+from coarse2fine.labels.store import TokenLabelStore
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,12 +39,16 @@ def cpu_runtime() -> Runtime:
     return Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 
 
-def train_val_loaders(records_dir: Path, params: Params, runtime: Runtime, batch_size: int) -> list:
-    """build_loader's train and val loaders over `records_dir` at 32 px with `params`' loader and augment."""
+def train_val_loaders(
+    records_dir: Path, params: Params, runtime: Runtime, batch_size: int, token_labels: TokenLabelStore | None = None
+) -> list:
+    """build_loader's train and val loaders over `records_dir` at 32 px with `params`' loader and augment (the
+    train batches with their rows of `token_labels`, if given)."""
     return [
         build_loader(
             split, records_dir, img_size=32, batch_size=batch_size, runtime=runtime, loader_cfg=params.loader,
             augment_cfg=params.augment, crop_pct=1.0, seed=params.seed,
+            token_labels=token_labels if split == "train" else None,
         )
         for split in ("train", "val")
     ]

@@ -27,6 +27,7 @@ from coarse2fine import distributed
 from coarse2fine.data import dali_pipeline, records
 from coarse2fine.data.convert import convert
 from coarse2fine.data.loaders import IDENTITY_AFFINE, IMAGE_MEAN, IMAGE_STD, build_loader
+from coarse2fine.labels.targets import moved_rows
 from coarse2fine.distributed import Runtime
 from coarse2fine.errors import UserError
 
@@ -98,6 +99,9 @@ def test_both_backends_yield_the_contract_batch(digits_records, split):
         loader = make_loader(digits_records, split, backend, batch_size=16, augment=augment)
         assert loader.backend == backend
         batch = next(iter(loader))
+        if split == "train":  # the rows that a geometric op moved: their number varies from batch to batch
+            moved = batch.pop("moved")
+            assert moved.dtype == torch.int64 and torch.equal(moved, moved_rows(batch["affine"]))
         structures[backend] = {
             key: (tensor.dtype, tuple(tensor.shape), tensor.device.type) for key, tensor in batch.items()
         }

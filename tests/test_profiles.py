@@ -13,6 +13,7 @@ from conftest import cpu_runtime
 
 from coarse2fine import losses, models, train
 from coarse2fine.config import flatten, load_params, parse_params
+from coarse2fine.data.loaders import with_target_inputs
 from coarse2fine.labels import store
 
 PROFILES = sorted((Path(__file__).resolve().parents[1] / "profiles").glob("*.yaml"))
@@ -170,15 +171,15 @@ def build_trainer(params, stage: str, model, img_size: int, tmp_path: Path) -> t
     peak_lr = full.optimizer.peak_lr(full.global_batch(params.launch.nproc_per_node))
     optimizer = full.optimizer.model_copy(update={"lr_base": peak_lr, "lr_scaling": "none"})
     cfg = full.model_copy(update={"img_size": img_size, "batch_size": BATCH, "optimizer": optimizer})
-    objective = None
+    objective, labels = None, None
     if cfg.token_label.enabled:  # a store of random teacher scores, as the token_labels stage writes one
         top_k, grid = params.token_labels.top_k, 2
         scores = torch.randn(BATCH, CLASSES, grid, grid).log_softmax(dim=1)
         log_probs, classes = (part.numpy() for part in scores.topk(top_k, dim=1))
         store.write_store(tmp_path / stage, log_probs.astype("float16"), classes, CLASSES)
         labels = store.TokenLabelStore(tmp_path / stage, records=BATCH, num_classes=CLASSES)
-        objective = losses.TokenLabelObjective.from_params(labels, cfg)
-    batch = OneBatch(synthetic_batch(img_size))
+        objective = losses.TokenLabelObjective.from_params(CLASSES, cfg)
+    batch = OneBatch(with_target_inputs(synthetic_batch(img_size), labels))
     trainer = train.Trainer(
         stage=stage, params=params, cfg=cfg, model=model, classes=[str(c) for c in range(CLASSES)],
         train_loader=batch, val_loader=batch, runtime=cpu_runtime(), param_sections=("model", stage), provenance={},
@@ -199,7 +200,7 @@ def test_profile_takes_one_real_optimizer_step(path, tmp_path):
     model = models.build_model(params.model, CLASSES, img_size, mix_token=params.finetune.token_label.mixes_tokens)
     build_trainer(params, "pretrain", model, REDUCED_SIZE[params.pretrain.img_size], tmp_path)
     trainer = build_trainer(params, "finetune", model, img_size, tmp_path)
-    batch = synthetic_batch(img_size)
+    (batch,) = trainer.train_loader
     before = {name: value.detach().clone() for name, value in model.named_parameters()}
     # fp16's loss scaler skips the first updates while its scale overflows the gradients (as on a GPU): each
     # skip halves the scale, until one step lands.

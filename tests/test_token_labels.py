@@ -3,6 +3,8 @@ MixToken, and a real training run with token labels and MixToken on the digits r
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -12,8 +14,8 @@ from coarse2fine import losses, models, train
 from coarse2fine.data import records
 from coarse2fine.errors import UserError
 from coarse2fine.labels.store import TokenLabelStore, write_store
-from coarse2fine.data.loaders import IDENTITY_AFFINE, IMAGE_MEAN, IMAGE_STD
-from coarse2fine.labels.targets import entropy, token_targets
+from coarse2fine.data.loaders import IDENTITY_AFFINE, IMAGE_MEAN, IMAGE_STD, with_target_inputs
+from coarse2fine.labels.targets import entropy, moved_rows, token_targets
 
 FULL_WINDOW = torch.tensor([[0.0, 0.0, 1.0, 1.0]])
 NO_FLIP = torch.tensor([False])
@@ -48,9 +50,10 @@ def test_store_returns_the_rows_of_the_record_indices(tmp_path):
     write_store(tmp_path, log_probs, classes, num_classes=1000)
     store = TokenLabelStore(tmp_path, records=7, num_classes=1000)
     got_log_probs, got_classes = store.lookup(torch.tensor([5, 0, 5]))
-    assert got_classes.dtype == torch.int64 and store.classes.dtype == np.int16  # integers, not float16
-    assert torch.equal(got_classes, torch.from_numpy(classes[[5, 0, 5]]))
-    torch.testing.assert_close(got_log_probs, torch.from_numpy(log_probs[[5, 0, 5]]), atol=1e-2, rtol=1e-3)  # float16
+    # As stored (half the bytes of float32/int64 to copy to the device): integers, not float16, for the classes.
+    assert (got_log_probs.dtype, got_classes.dtype) == (torch.float16, torch.int16)
+    assert torch.equal(got_classes.long(), torch.from_numpy(classes[[5, 0, 5]]))
+    torch.testing.assert_close(got_log_probs.float(), torch.from_numpy(log_probs[[5, 0, 5]]), atol=1e-2, rtol=1e-3)
 
 
 def test_store_for_other_records_or_classes_is_a_user_error(tmp_path):
@@ -184,16 +187,11 @@ def test_mix_token_lam_is_the_share_of_own_tokens(box, lam):
     assert losses.mix_token_lam(box, token_grid=2) == lam
 
 
-class FixedStore:
-    """A store stand-in over in-memory maps (the real store is tested above)."""
-
-    num_classes = 3
-
-    def __init__(self, log_probs, classes):
-        self.log_probs, self.classes = log_probs, classes
-
-    def lookup(self, index):
-        return self.log_probs[index], self.classes[index]
+def with_store_rows(batch: dict, log_probs: torch.Tensor, classes: torch.Tensor) -> dict:
+    """`batch` as the loader gives it with token labels: the rows of in-memory maps (the real store is tested above)."""
+    index = batch["index"]
+    return {**batch, "token_log_probs": log_probs[index], "token_classes": classes[index],
+            "moved": moved_rows(batch["affine"])}
 
 
 def test_token_label_loss_mixes_the_class_target_by_the_box_area():
@@ -202,7 +200,7 @@ def test_token_label_loss_mixes_the_class_target_by_the_box_area():
     log_probs = -0.7 - 3 * torch.rand(batch_size, 2, 2, 2, generator=generator)
     classes = torch.stack([torch.randperm(classes_count, generator=generator)[:2] for _ in range(8)])
     classes = classes.view(2, 2, 2, 2).permute(0, 3, 1, 2).contiguous()  # distinct classes per cell
-    objective = losses.TokenLabelObjective(FixedStore(log_probs, classes), label_smoothing=0.1, dense_weight=0.5)
+    objective = losses.TokenLabelObjective(3, label_smoothing=0.1, dense_weight=0.5)
     window = torch.tensor([[0.0, 0.0, 1.0, 1.0], [0.25, 0.5, 0.5, 0.5]])
     batch = {"index": torch.tensor([0, 1]), "window": window, "flip": torch.tensor([False, True]), "label": torch.tensor([0, 2])}
     batch["affine"] = identity_for(batch)
@@ -217,6 +215,7 @@ def test_token_label_loss_mixes_the_class_target_by_the_box_area():
     manual = losses.soft_cross_entropy(cls_logits, cls_target) + 0.5 * losses.soft_cross_entropy(
         aux_logits, expected.tokens
     )
+    batch = with_store_rows(batch, log_probs, classes)
     torch.testing.assert_close(objective(mixed, batch), manual)
     unmixed = objective(models.TrainOutput(cls_logits, aux_logits), batch)
     assert not torch.isclose(unmixed, manual)
@@ -262,8 +261,33 @@ def test_the_objective_mixes_the_ground_truth_into_the_class_target_only():
     manual = losses.soft_cross_entropy(
         output.cls_logits, losses.mix_ground_truth(expected.cls, batch["label"], 0.1)
     ) + 0.5 * losses.soft_cross_entropy(output.aux_logits, expected.tokens)
-    objective = losses.TokenLabelObjective(FixedStore(log_probs, classes), label_smoothing=0.1, ground_truth_mix=True)
-    torch.testing.assert_close(objective(output, batch), manual)
+    objective = losses.TokenLabelObjective(3, label_smoothing=0.1, ground_truth_mix=True)
+    torch.testing.assert_close(objective(output, with_store_rows(batch, log_probs, classes)), manual)
+
+
+def test_the_token_label_loss_reads_no_tensor_value_so_a_gpu_step_never_waits(monkeypatch):
+    """Tensors on the meta device have shapes and no values: a host read of one (`.item()`, `if t.any()`, a boolean
+    mask's data-dependent shape, a `.cpu()` store lookup) raises there, as it would stall a GPU step. The loss with
+    ground-truth mixing, MixToken and warped samples runs through, its inputs as the loader gives them."""
+    batch_size, classes_count, top_k, grid = 4, 10, 3, 4
+    meta = torch.device("meta")
+    affine = IDENTITY_AFFINE.expand(batch_size, 2, 3).clone()
+    affine[1, 0, 1] = affine[3, 1, 2] = 0.2  # sheared, translated
+    batch = {
+        "label": torch.arange(batch_size), "index": torch.arange(batch_size), "window": torch.rand(batch_size, 4),
+        "flip": torch.tensor([False, True, False, True]), "affine": affine,
+        "token_log_probs": torch.zeros(batch_size, top_k, grid, grid, dtype=torch.float16),
+        "token_classes": torch.zeros(batch_size, top_k, grid, grid, dtype=torch.int16),
+        "moved": moved_rows(affine),
+    }
+    output = models.TrainOutput(
+        torch.randn(batch_size, classes_count, device=meta), torch.randn(batch_size, 4, classes_count, device=meta),
+        mix_box=(0, 0, 1, 2),
+    )
+    objective = losses.TokenLabelObjective(classes_count, label_smoothing=0.1, ground_truth_mix=True)
+    monkeypatch.setattr(torch, "autocast", lambda *args, **kwargs: contextlib.nullcontext())  # none for meta
+    loss = objective(output, {key: value.to(meta) for key, value in batch.items()})
+    assert loss.device == meta and loss.shape == ()
 
 
 def test_training_on_token_labels_teaches_each_token_the_class_under_it_in_the_crop(tmp_path):
@@ -285,6 +309,7 @@ def test_training_on_token_labels_teaches_each_token_the_class_under_it_in_the_c
         "index": torch.arange(4), "window": torch.tensor(windows), "flip": torch.tensor(flips), "label": torch.arange(4),
     }
     batch["affine"] = identity_for(batch)
+    batch = with_target_inputs(batch, store)
     updates = 10
     # One batch per epoch, so `updates` epochs schedule `updates` updates; lr 0.256 x 4 / 1024 = 1e-3.
     params = make_params(pretrain={
@@ -296,7 +321,7 @@ def test_training_on_token_labels_teaches_each_token_the_class_under_it_in_the_c
         classes=list("abcd"), train_loader=[batch], val_loader=[batch], runtime=cpu_runtime(),
         param_sections=("pretrain",), provenance={}, checkpoint_dir=tmp_path / "ckpt",
         model_file=tmp_path / "model.pt", metrics_dir=tmp_path / "metrics",
-        objective=losses.TokenLabelObjective(store, label_smoothing=params.pretrain.label_smoothing),
+        objective=losses.TokenLabelObjective(4, label_smoothing=params.pretrain.label_smoothing),
     )
     for _ in range(updates):
         trainer.backward(batch, micro_steps=1, sync=True)
@@ -339,7 +364,7 @@ def test_trainer_learns_digits_from_token_labels_with_mix_token(digits_records, 
 
     params = make_params(pretrain={"epochs": 10, "batch_size": 32, "optimizer": {"lr_base": 3.2e-2}})
     runtime = cpu_runtime()
-    loaders = train_val_loaders(digits_records, params, runtime, batch_size=32)
+    loaders = train_val_loaders(digits_records, params, runtime, batch_size=32, token_labels=store)
     train.seed_everything(params.seed, runtime)
     model = models.build_model(params.model, 10, 32, mix_token=True)
     metrics = train.Trainer(
@@ -347,7 +372,7 @@ def test_trainer_learns_digits_from_token_labels_with_mix_token(digits_records, 
         train_loader=loaders[0], val_loader=loaders[1], runtime=runtime, param_sections=("pretrain",),
         provenance={"data_digest": "digits"}, checkpoint_dir=tmp_path / "ckpt", model_file=tmp_path / "model.pt",
         metrics_dir=tmp_path / "metrics",
-        objective=losses.TokenLabelObjective(store, label_smoothing=params.pretrain.label_smoothing),
+        objective=losses.TokenLabelObjective(10, label_smoothing=params.pretrain.label_smoothing),
     ).fit()
     # Measured 86 % (20 epochs reach 96 %). Chance is 10 %.
     assert metrics["val_top1"] >= 80

@@ -21,7 +21,6 @@ from timm.data import Mixup
 from timm.loss import SoftTargetCrossEntropy
 
 from coarse2fine import config
-from coarse2fine.labels.store import TokenLabelStore
 from coarse2fine.labels.targets import entropy, smooth, token_targets
 from coarse2fine.models import TrainOutput
 
@@ -74,28 +73,29 @@ class GroundTruthObjective:
 
 
 class TokenLabelObjective:
-    """Token labeling from a `TokenLabelStore` (looked up by the batch's record indices), on the batch's
-    window and flip. sail-sg/volo's weights by default: cls_weight 1.0, dense_weight 0.5."""
+    """Token labeling from the rows of the token-label store the loader put in the batch (`token_log_probs`,
+    `token_classes`: `build_loader(..., token_labels=store)`), on the batch's window, flip and affine.
+    sail-sg/volo's weights by default: cls_weight 1.0, dense_weight 0.5."""
 
     def __init__(
         self,
-        store: TokenLabelStore,
+        num_classes: int,
         *,
         label_smoothing: float,
         cls_weight: float = 1.0,
         dense_weight: float = 0.5,
         ground_truth_mix: bool = False,
     ):
-        self.store = store
+        self.num_classes = num_classes
         self.label_smoothing, self.cls_weight, self.dense_weight = label_smoothing, cls_weight, dense_weight
         self.ground_truth_mix = ground_truth_mix
         self.target_sums: torch.Tensor | None = None  # TARGET_METRICS' sums, then the sample count
 
     @classmethod
-    def from_params(cls, store: TokenLabelStore, cfg: config.Pretrain) -> TokenLabelObjective:
+    def from_params(cls, num_classes: int, cfg: config.Pretrain) -> TokenLabelObjective:
         token_label = cfg.token_label
         return cls(
-            store, label_smoothing=cfg.label_smoothing, cls_weight=token_label.cls_weight,
+            num_classes, label_smoothing=cfg.label_smoothing, cls_weight=token_label.cls_weight,
             dense_weight=token_label.dense_weight, ground_truth_mix=token_label.ground_truth_mix,
         )
 
@@ -105,11 +105,11 @@ class TokenLabelObjective:
     def __call__(self, output: TrainOutput, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         device = output.cls_logits.device
         token_grid = math.isqrt(output.aux_logits.shape[1])
-        log_probs, classes = self.store.lookup(batch["index"])
         with torch.autocast(device.type, enabled=False):  # targets in fp32 whatever the model runs in
             targets = token_targets(
-                log_probs.to(device), classes.to(device), batch["window"], batch["flip"], batch["affine"],
-                num_classes=self.store.num_classes, token_grid=token_grid, smoothing=self.label_smoothing,
+                batch["token_log_probs"], batch["token_classes"], batch["window"], batch["flip"], batch["affine"],
+                num_classes=self.num_classes, token_grid=token_grid, smoothing=self.label_smoothing,
+                moved=batch["moved"],
             )
         cls_target = targets.cls
         if self.ground_truth_mix:

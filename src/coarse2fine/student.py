@@ -41,7 +41,7 @@ def train_student(
             paths.token_labels, records=records.read_manifest(paths.records)["splits"]["train"]["images"],
             num_classes=len(classes), records_digest=data_digest,
         )
-        objective = losses.TokenLabelObjective.from_params(labels, cfg)
+        objective = losses.TokenLabelObjective.from_params(len(classes), cfg)
         inputs["token_labels_digest"] = store.header_digest(paths.token_labels)
     if paths.init_from is not None:
         inputs["init_digest"] = file_sha256(models.existing_file(paths.init_from, "model file"))
@@ -50,6 +50,7 @@ def train_student(
             split: build_loader(
                 split, paths.records, img_size=cfg.img_size, batch_size=cfg.batch_size, runtime=runtime,
                 loader_cfg=params.loader, augment_cfg=params.augment, crop_pct=cfg.val_crop_pct, seed=params.seed,
+                token_labels=labels if split == "train" else None,
             )
             for split in ("train", "val")
         }

@@ -56,6 +56,8 @@ from coarse2fine.config import Loader as LoaderConfig
 from coarse2fine.data import records
 from coarse2fine.distributed import Runtime
 from coarse2fine.errors import UserError
+from coarse2fine.labels.store import TokenLabelStore
+from coarse2fine.labels.targets import moved_rows
 
 IMAGE_MEAN = IMAGENET_DEFAULT_MEAN
 IMAGE_STD = IMAGENET_DEFAULT_STD
@@ -225,10 +227,13 @@ class LoaderSettings:
 class Loader:
     """One split's batches on `runtime.device` (docs/contracts.md, "Loaders")."""
 
-    def __init__(self, backend_name: str, backend: Backend, settings: LoaderSettings):
+    def __init__(
+        self, backend_name: str, backend: Backend, settings: LoaderSettings, token_labels: TokenLabelStore | None = None
+    ):
         self.backend = backend_name
         self._impl = backend
         self._settings = settings
+        self._token_labels = token_labels
         self._epoch = 0
         runtime = settings.runtime
         if settings.split == "train":
@@ -266,7 +271,24 @@ class Loader:
             "affine": affine.to(torch.float32),
         }
         runtime = settings.runtime
+        if settings.split == "train":
+            batch = with_target_inputs(batch, self._token_labels, pin=runtime.is_cuda)
         return {key: value.to(runtime.device, non_blocking=runtime.is_cuda) for key, value in batch.items()}
+
+
+def with_target_inputs(
+    batch: dict[str, torch.Tensor], token_labels: TokenLabelStore | None, *, pin: bool = False
+) -> dict[str, torch.Tensor]:
+    """A train batch on the host plus what its token targets need, found here so that the training step never
+    waits for the GPU: `moved`, the rows whose affine is not the identity (their count is then host metadata), and
+    with `token_labels` the records' rows of the store (`token_log_probs`, `token_classes`), kept in the store's
+    float16/int16 until the device and, with `pin` (a GPU), in pinned memory so the copy overlaps the step."""
+    extra = {"moved": moved_rows(batch["affine"])}
+    if token_labels is not None:
+        log_probs, classes = token_labels.lookup(batch["index"])
+        extra["token_log_probs"] = log_probs.pin_memory() if pin else log_probs
+        extra["token_classes"] = classes.pin_memory() if pin else classes
+    return {**batch, **extra}
 
 
 def resolve_backend(name: str) -> str:
@@ -295,9 +317,11 @@ def build_loader(
     augment_cfg: Augment,
     crop_pct: float,
     seed: int,
+    token_labels: TokenLabelStore | None = None,
 ) -> Loader:
     """A loader for `split` ("train": augmented, sharded, equal batches per rank; "val": centre crop, each
-    record once), backend per loader_cfg.backend."""
+    record once), backend per loader_cfg.backend. With `token_labels` each batch also carries its records' rows of
+    that store (`token_log_probs`, `token_classes`)."""
     if split not in records.SPLITS:
         raise ValueError(f"split must be one of {records.SPLITS}, got {split!r}")
     shards = records.shard_files(records_dir, split)
@@ -318,4 +342,4 @@ def build_loader(
         from coarse2fine.data.dali_pipeline import DaliBackend as backend_class
     else:
         from coarse2fine.data.torch_pipeline import TorchBackend as backend_class
-    return Loader(backend_name, backend_class(shards, settings), settings)
+    return Loader(backend_name, backend_class(shards, settings), settings, token_labels)

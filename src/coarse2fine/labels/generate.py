@@ -129,10 +129,17 @@ class TrainRecords(Dataset):
         return self.view(image), int(record["label"][0]), int(record["index"][0])
 
 
+# What `label_statistics` sums, in its order (Generation.metrics turns them into means).
+STATISTICS = (
+    "images", "dense_correct", "cells_correct", "teacher_entropy", "target_entropy", "target_correct", "outside_top_k"
+)
+
+
 def label_statistics(
     scores: torch.Tensor, log_probs: torch.Tensor, classes: torch.Tensor, labels: torch.Tensor
-) -> dict[str, float]:
-    """Sums over a batch of what the store keeps against what the teacher said: `scores` [B, C, s, s] are the
+) -> torch.Tensor:
+    """Sums over a batch (a float64 vector in `STATISTICS` order, on the batch's device: added up there, read
+    once per chunk) of what the store keeps against what the teacher said: `scores` [B, C, s, s] are the
     teacher's dense logits, `log_probs`/`classes` [B, k, s, s] their top k log-probabilities as the store keeps
     them (before the float16 rounding), `labels` [B].
     - teacher_*: the teacher's own prediction for the whole image (the softmax of its mean logits) and its cells';
@@ -142,18 +149,24 @@ def label_statistics(
     whole = torch.tensor([[0.0, 0.0, 1.0, 1.0]], device=scores.device).expand(len(scores), 4)
     no_flip = torch.zeros(len(scores), dtype=torch.bool, device=scores.device)
     identity = torch.eye(2, 3, device=scores.device).expand(len(scores), 2, 3)
+    nothing_moved = torch.zeros(0, dtype=torch.int64, device=scores.device)
     target = targets.token_targets(
-        log_probs, classes, whole, no_flip, identity, num_classes=scores.shape[1], token_grid=1, smoothing=0.0
+        log_probs, classes, whole, no_flip, identity, num_classes=scores.shape[1], token_grid=1, smoothing=0.0,
+        moved=nothing_moved,
     ).cls
-    return {
-        "images": float(len(scores)),
-        "dense_correct": float((teacher.argmax(dim=1) == labels).sum()),
-        "cells_correct": float((scores.argmax(dim=1) == labels.view(-1, 1, 1)).float().mean(dim=(1, 2)).sum()),
-        "teacher_entropy": float(targets.entropy(teacher).sum()),
-        "target_entropy": float(targets.entropy(target).sum()),
-        "target_correct": float((target.argmax(dim=1) == labels).sum()),
-        "outside_top_k": float((1 - log_probs.exp().sum(dim=1)).mean(dim=(1, 2)).sum()),
-    }
+    return torch.stack([
+        torch.tensor(float(len(scores)), device=scores.device),
+        (teacher.argmax(dim=1) == labels).sum(),
+        (scores.argmax(dim=1) == labels.view(-1, 1, 1)).float().mean(dim=(1, 2)).sum(),
+        targets.entropy(teacher).sum(),
+        targets.entropy(target).sum(),
+        (target.argmax(dim=1) == labels).sum(),
+        (1 - log_probs.exp().sum(dim=1)).mean(dim=(1, 2)).sum(),
+    ]).double()
+
+
+def statistics_dict(sums: torch.Tensor) -> dict[str, float]:
+    return dict(zip(STATISTICS, sums.tolist()))
 
 
 @dataclass(frozen=True)
@@ -229,7 +242,7 @@ def generate(
     std = torch.tensor(IMAGE_STD, device=runtime.device).view(1, 3, 1, 1) * 255
     runtime.synchronize()  # GPU timings wait for the queued work, at both ends
     start_time = time.perf_counter()
-    chunk_stats: dict[str, float] = {}
+    chunk_sums = torch.zeros(len(STATISTICS), dtype=torch.float64, device=runtime.device)
     generated = 0
     bar = progress(loader, total=len(batches), desc="token_labels", disable=not runtime.is_main)
     for (images, labels, indices), positions in zip(bar, batches):  # the bar first: it closes when exhausted
@@ -239,13 +252,12 @@ def generate(
             scores = head(images).float()
         log_probs, classes = scores.log_softmax(dim=1).topk(top_k, dim=1)
         arrays.write(indices.numpy(), log_probs.to(torch.float16).cpu().numpy(), classes.cpu().numpy())
-        for name, value in label_statistics(scores, log_probs, classes, labels.to(scores.device)).items():
-            chunk_stats[name] = chunk_stats.get(name, 0.0) + value
+        chunk_sums += label_statistics(scores, log_probs, classes, labels.to(scores.device))
         generated += len(indices)
         if positions[-1] + 1 == min((positions[0] // chunk + 1) * chunk, len(dataset)):  # the chunk's last batch
             arrays.flush()
-            write_json(_marker(work_dir, positions[0] // chunk), chunk_stats)
-            chunk_stats = {}
+            write_json(_marker(work_dir, positions[0] // chunk), statistics_dict(chunk_sums))
+            chunk_sums.zero_()
     runtime.synchronize()
     seconds = time.perf_counter() - start_time
 

@@ -34,7 +34,6 @@ import itertools
 import json
 import shutil
 import time
-from collections import Counter
 from pathlib import Path, PurePosixPath
 from typing import Any, Iterator, Mapping
 
@@ -47,7 +46,7 @@ from coarse2fine.distributed import Runtime
 from coarse2fine.errors import UserError
 from coarse2fine.files import file_sha256
 from coarse2fine.labels import store, targets
-from coarse2fine.labels.generate import Generation, label_statistics
+from coarse2fine.labels.generate import STATISTICS, Generation, label_statistics, statistics_dict
 from coarse2fine.progress import progress
 
 # float16 holds every integer up to 2048 exactly; past it the reference's class indices are rounded (to even).
@@ -130,7 +129,7 @@ def import_labels(
 
     runtime.synchronize()  # GPU timings wait for the queued work, at both ends
     start_time = time.perf_counter()
-    sums: dict[str, float] = {}
+    sums = torch.zeros(len(STATISTICS), dtype=torch.float64, device=runtime.device)
     mine = shards[runtime.rank :: runtime.world_size]
     total = sum(info["count"] for info in shard_infos[runtime.rank :: runtime.world_size])
     mine_records = (record for tfrecord, _ in mine for record in records.read_shard(tfrecord))
@@ -149,27 +148,23 @@ def import_labels(
             labels = torch.tensor([record["label"] for record in batch], device=runtime.device)
             log_probs, classes = log_probs.to(runtime.device), classes.to(runtime.device)
             maps = targets.dense_maps(log_probs, classes, num_classes)  # the reference's map, up to a per-cell shift
-            for name, value in label_statistics(maps, log_probs, classes, labels).items():
-                sums[name] = sums.get(name, 0.0) + value
+            sums += label_statistics(maps, log_probs, classes, labels)
             bar.update(len(batch))
     arrays.flush()
     runtime.synchronize()
     seconds = time.perf_counter() - start_time
 
-    # Objects, not a tensor: a rank without a shard (more ranks than shards) has no statistics to add.
-    ranks = distributed.all_gather_objects((seconds, sums))  # also the barrier: every rank's rows are written
+    # Also the barrier: every rank's rows are written. A rank without a shard (more ranks than shards) adds zeros.
+    totals = distributed.all_reduce_sum(torch.cat([sums, sums.new_tensor([seconds])]))
     if runtime.is_main:
         content = {name: file_sha256(out_dir / name) for name in (store.LOG_PROBS_FILE, store.CLASSES_FILE)}
         digest = hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
         store.write_header(out_dir, arrays, num_classes, **header, content_sha256=digest)
     distributed.barrier()
-    totals: Counter[str] = Counter()
-    for _, rank_sums in ranks:
-        totals.update(rank_sums)
     return Generation(
-        sums=dict(totals),
+        sums=statistics_dict(totals[:-1]),
         generated=len(arrays.log_probs),
-        seconds=sum(rank_seconds for rank_seconds, _ in ranks) / len(ranks),  # side by side: their mean wall time
+        seconds=float(totals[-1]) / runtime.world_size,  # ranks run side by side: their mean wall time
         bytes_per_image=arrays.log_probs[0].nbytes + arrays.classes[0].nbytes,
     )
 

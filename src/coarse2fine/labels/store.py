@@ -92,7 +92,7 @@ def write_store(
 
 
 class TokenLabelStore:
-    """Read side: `store.lookup(record_indices)` -> (log-probabilities float32, classes int64), both [B, k, s, s]."""
+    """Read side: `store.lookup(record_indices)` -> (log-probabilities float16, classes int16), both [B, k, s, s]."""
 
     def __init__(self, directory: str | Path, *, records: int, num_classes: int, records_digest: str | None = None):
         directory = Path(directory)
@@ -121,7 +121,8 @@ class TokenLabelStore:
         self.num_classes = num_classes
 
     def lookup(self, record_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = record_indices.cpu().numpy()
-        log_probs = torch.from_numpy(self.log_probs[rows].astype(np.float32))
-        classes = torch.from_numpy(self.classes[rows].astype(np.int64))
-        return log_probs, classes
+        """The rows of `record_indices`, a host tensor (the loader looks up before its batch goes to the device),
+        as stored: float16 and int16 (int32 past 32768 classes), half the bytes of float32/int64 to copy to the
+        device, where `targets.token_targets` widens them."""
+        rows = record_indices.numpy()
+        return torch.from_numpy(self.log_probs[rows]), torch.from_numpy(self.classes[rows])

@@ -61,6 +61,13 @@ def window_boxes(window: torch.Tensor, grid: int) -> torch.Tensor:
     return torch.stack([batch_index, left, top, left + width, top + height], dim=1)
 
 
+def moved_rows(affine: torch.Tensor) -> torch.Tensor:
+    """The rows of a batch whose RandAugment drew a geometric op (an `affine` [B, 2, 3] other than the identity),
+    as indices. The loader finds them on the host, so the step knows their count without waiting for the GPU."""
+    identity = affine.new_tensor([[1, 0, 0], [0, 1, 0]])
+    return (affine != identity).flatten(1).any(dim=1).nonzero().flatten()
+
+
 def token_targets(
     log_probs: torch.Tensor,
     classes: torch.Tensor,
@@ -71,21 +78,26 @@ def token_targets(
     num_classes: int,
     token_grid: int,
     smoothing: float,
+    moved: torch.Tensor | None = None,
 ) -> TokenTargets:
-    maps = dense_maps(log_probs.float(), classes, num_classes)
+    """The class and token targets of a batch's crops. `log_probs`/`classes` [B, k, s, s] as the store keeps them
+    (any float and integer types); `moved`: `moved_rows(affine)`, which the training step gets from the loader
+    (found here when None: on a GPU that waits for the device). Shapes never depend on tensor values, so nothing
+    here synchronises with the GPU."""
+    maps = dense_maps(log_probs.float(), classes.long(), num_classes)
     boxes = window_boxes(window, maps.shape[-1])
     # aligned=True: cell centres at +0.5, so a window over the whole image samples the whole map evenly;
     # the default adaptive sampling takes at least one bilinear sample per cell the window covers.
     tokens = roi_align(maps, boxes, output_size=token_grid, aligned=True)
     tokens = torch.where(flip.view(-1, 1, 1, 1), tokens.flip(-1), tokens)
     crop = roi_align(maps, boxes, output_size=1, aligned=True).flatten(1)
-    moved = (affine != affine.new_tensor([[1, 0, 0], [0, 1, 0]])).flatten(1).any(dim=1)
-    if moved.any():
-        fine = roi_align(maps, boxes[moved], output_size=token_grid * SUPERSAMPLING, aligned=True)
-        fine = torch.where(flip[moved].view(-1, 1, 1, 1), fine.flip(-1), fine)
-        fine = warped(fine, affine[moved])
-        tokens[moved] = F.avg_pool2d(fine, SUPERSAMPLING)
-        crop[moved] = fine.mean(dim=(-2, -1))
+    moved = moved_rows(affine) if moved is None else moved.to(maps.device)
+    if len(moved):  # the tensor's length is host metadata: no wait for the device
+        fine = roi_align(maps, boxes.index_select(0, moved), output_size=token_grid * SUPERSAMPLING, aligned=True)
+        fine = torch.where(flip.index_select(0, moved).view(-1, 1, 1, 1), fine.flip(-1), fine)
+        fine = warped(fine, affine.index_select(0, moved))
+        tokens = tokens.index_copy(0, moved, F.avg_pool2d(fine, SUPERSAMPLING))
+        crop = crop.index_copy(0, moved, fine.mean(dim=(-2, -1)))
     tokens = tokens.flatten(2).transpose(1, 2)  # [B, C, S, S] -> [B, S*S, C], row-major
     return TokenTargets(smooth(crop.softmax(-1), smoothing), smooth(tokens.softmax(-1), smoothing))
 

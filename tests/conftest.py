@@ -39,6 +39,22 @@ def cpu_runtime() -> Runtime:
     return Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 
 
+class ListLoader:
+    """The loader interface over fixed batches (the schedule only needs its length)."""
+
+    def __init__(self, batches: list):
+        self.batches = batches
+
+    def set_epoch(self, epoch: int) -> None:
+        pass
+
+    def __iter__(self):
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
 def train_val_loaders(
     records_dir: Path, params: Params, runtime: Runtime, batch_size: int, token_labels: TokenLabelStore | None = None
 ) -> list:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import cpu_runtime, make_params
+from conftest import ListLoader, cpu_runtime, make_params
 from torch._dynamo.eval_frame import OptimizedModule
 
 from coarse2fine import config, models, train
@@ -25,25 +25,11 @@ def batch(seed: int) -> dict[str, torch.Tensor]:
     }
 
 
-class OneBatchLoader:
-    def __init__(self, batches: list[dict[str, torch.Tensor]]):
-        self.batches = batches
-
-    def set_epoch(self, epoch: int) -> None:
-        pass
-
-    def __iter__(self):
-        return iter(self.batches)
-
-    def __len__(self) -> int:
-        return len(self.batches)
-
-
 def ground_truth_trainer(tmp_path: Path, runtime: Runtime | None = None, **pretrain) -> train.Trainer:
     params = make_params(pretrain={"batch_size": 4, "token_label": {"enabled": False}, **pretrain})
     torch.manual_seed(0)
     model = models.build_model(params.model, NUM_CLASSES, params.pretrain.img_size)
-    loader = OneBatchLoader([batch(1), batch(2)])
+    loader = ListLoader([batch(1), batch(2)])
     return train.Trainer(
         stage="pretrain", params=params, cfg=params.pretrain, model=model, classes=[str(i) for i in range(NUM_CLASSES)],
         train_loader=loader, val_loader=loader, runtime=runtime or cpu_runtime(), param_sections=("pretrain",),

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import cpu_runtime
+from conftest import ListLoader, cpu_runtime
 
 from coarse2fine import losses, models, train
 from coarse2fine.config import flatten, load_params, parse_params
@@ -135,22 +135,6 @@ def test_volo_fine_tuning_lr_does_not_scale_with_the_batch():
         assert (stage.peak_lr, stage.min_lr) == (VOLO_FINETUNE_LR, VOLO_FINETUNE_MIN_LR)
 
 
-class OneBatch:
-    """A loader of one synthetic batch, as the Trainer sees a loader."""
-
-    def __init__(self, batch: dict[str, torch.Tensor]):
-        self.batch = batch
-
-    def set_epoch(self, epoch: int) -> None:
-        pass
-
-    def __iter__(self):
-        yield self.batch
-
-    def __len__(self) -> int:
-        return 1
-
-
 def synthetic_batch(img_size: int) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
     return {
@@ -179,10 +163,10 @@ def build_trainer(params, stage: str, model, img_size: int, tmp_path: Path) -> t
         store.write_store(tmp_path / stage, log_probs.astype("float16"), classes, CLASSES)
         labels = store.TokenLabelStore(tmp_path / stage, records=BATCH, num_classes=CLASSES)
         objective = losses.TokenLabelObjective.from_params(CLASSES, cfg)
-    batch = OneBatch(with_target_inputs(synthetic_batch(img_size), labels))
+    loader = ListLoader([with_target_inputs(synthetic_batch(img_size), labels)])
     trainer = train.Trainer(
         stage=stage, params=params, cfg=cfg, model=model, classes=[str(c) for c in range(CLASSES)],
-        train_loader=batch, val_loader=batch, runtime=cpu_runtime(), param_sections=("model", stage), provenance={},
+        train_loader=loader, val_loader=loader, runtime=cpu_runtime(), param_sections=("model", stage), provenance={},
         checkpoint_dir=tmp_path / "ckpt", model_file=tmp_path / "model.pt", metrics_dir=tmp_path / "metrics",
         objective=objective,
     )

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import PROJECT_ROOT, cpu_runtime, make_params, train_val_loaders
+from conftest import PROJECT_ROOT, ListLoader, cpu_runtime, make_params, train_val_loaders
 from timm.optim import Lamb
 
 from coarse2fine import distributed, models, train
@@ -37,22 +37,6 @@ ENV = {**os.environ, "DVC_NO_ANALYTICS": "1", "MLFLOW_DISABLE_TELEMETRY": "true"
 LEARNING_PRETRAIN = {"epochs": 10, "batch_size": 32, "optimizer": {"lr_base": 3.2e-2}}
 # Per-epoch metrics that measure the machine, not the training: they differ between any two runs.
 TIMING_METRICS = {"train_img_per_s", "epoch_seconds"}
-
-
-class ListLoader:
-    """The loader interface over fixed batches (the schedule only needs its length)."""
-
-    def __init__(self, batches: list):
-        self.batches = batches
-
-    def set_epoch(self, epoch: int) -> None:
-        pass
-
-    def __iter__(self):
-        return iter(self.batches)
-
-    def __len__(self) -> int:
-        return len(self.batches)
 
 
 def random_batch(size: int, seed: int) -> dict[str, torch.Tensor]:

@@ -1,0 +1,160 @@
+"""Training-step throughput of a published VOLO on one GPU (img/s, timed with the device synchronised): the
+project's own Trainer step, as the pretrain stage runs it on a GPU (bf16 autocast, fused AdamW, the model's
+drop-path), on random batches already on the device, so only the step is timed, never data loading. Rows:
+- ground truth: label-smoothed cross-entropy on the inference logits;
+- token labels + MixToken: the recipe's step: the batch's rows of a token-label store (random top-5 teacher maps
+  on NFNet-F6's 18 x 18 grid, looked up and copied as the loader does), roi_align targets, MixToken;
+- the same, compiled (`--compile`): the training forward through torch.compile (`train.compile: true`).
+
+On a GPU node: `python bench/gpu_step.py` (volo_d1_224 at 224 px, 128 images a step: the VOLO-D1 recipe's
+per-GPU batch). Without a GPU it stops with one line. Each call runs --steps steps; every row is warmed up
+once (compilation, cuDNN autotuning), then the repeats run interleaved (_common.interleaved).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from _common import header_line, interleaved, markdown_table, write_json
+from coarse2fine import losses, models
+from coarse2fine.config import parse_params
+from coarse2fine.data.loaders import IDENTITY_AFFINE
+from coarse2fine.distributed import Runtime, use_gpu_defaults
+from coarse2fine.labels.store import TokenLabelStore, write_store
+from coarse2fine.train import Trainer
+
+NUM_CLASSES = 1000
+# The reference's NFNet-F6 token labels: the top 5 classes on an 18 x 18 grid (TokenLabeling's README).
+TOP_K, TEACHER_GRID = 5, 18
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="volo_d1_224", help="a timm VOLO (default: volo_d1_224)")
+    parser.add_argument("--img-size", type=int, default=224, metavar="PX", help="default: 224")
+    parser.add_argument("--batch", type=int, default=128, metavar="N", help="images a step (default: 128)")
+    parser.add_argument("--steps", type=int, default=20, metavar="N", help="steps per timed call (default: 20)")
+    parser.add_argument("--repeats", type=int, default=5, metavar="N", help="timed calls per row (default: 5)")
+    parser.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"], help="default: bf16")
+    parser.add_argument("--compile", action="store_true", help="add the torch.compile row (minutes to compile)")
+    parser.add_argument("--json", type=Path, metavar="PATH", help="also write the raw numbers as JSON")
+    return parser.parse_args()
+
+
+class TrainerSteps:
+    """`steps` real Trainer updates on one device-resident batch, its store rows looked up on the host and copied
+    from pinned memory each step, as the loader does (`loaders.with_target_inputs`); returns the images trained."""
+
+    def __init__(self, trainer: Trainer, batch: dict[str, torch.Tensor], store: TokenLabelStore | None, steps: int):
+        self.trainer, self.batch, self.store, self.steps = trainer, batch, store, steps
+        self.host_index = batch["index"].cpu()
+
+    def __call__(self) -> int:
+        device = self.trainer.runtime.device
+        for _ in range(self.steps):
+            batch = self.batch
+            if self.store is not None:
+                log_probs, classes = self.store.lookup(self.host_index)
+                batch = {
+                    **batch, "token_log_probs": log_probs.pin_memory().to(device, non_blocking=True),
+                    "token_classes": classes.pin_memory().to(device, non_blocking=True),
+                }
+            self.trainer.backward(batch, micro_steps=1, sync=True)
+            self.trainer.optimizer_step()
+        self.trainer.runtime.synchronize()
+        return self.steps * len(self.batch["label"])
+
+
+def random_batch(args: argparse.Namespace, device: torch.device) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    size = torch.rand(args.batch, 2, generator=generator) * 0.7 + 0.3
+    top_left = torch.rand(args.batch, 2, generator=generator) * (1 - size)
+    batch = {
+        "image": torch.randn(args.batch, 3, args.img_size, args.img_size, generator=generator),
+        "label": torch.randint(NUM_CLASSES, (args.batch,), generator=generator),
+        "index": torch.arange(args.batch),
+        "window": torch.cat([top_left, size], dim=1),
+        "flip": torch.rand(args.batch, generator=generator) < 0.5,
+        "affine": IDENTITY_AFFINE.expand(args.batch, 2, 3),
+        "moved": torch.zeros(0, dtype=torch.int64),
+    }
+    return {key: value.to(device) for key, value in batch.items()}
+
+
+def random_store(directory: Path, records: int) -> TokenLabelStore:
+    scores = torch.randn(records, NUM_CLASSES, TEACHER_GRID, TEACHER_GRID, generator=torch.Generator().manual_seed(1))
+    log_probs, classes = scores.log_softmax(dim=1).topk(TOP_K, dim=1)
+    write_store(directory, log_probs.half().numpy(), classes.numpy(), num_classes=NUM_CLASSES)
+    return TokenLabelStore(directory, records=records, num_classes=NUM_CLASSES)
+
+
+def new_trainer(args: argparse.Namespace, runtime: Runtime, scratch: Path, *, token_labels: bool, compile_: bool):
+    params = parse_params({
+        "model": {"name": args.model, "drop_path": 0.1},
+        "pretrain": {
+            "img_size": args.img_size, "batch_size": args.batch, "precision": args.precision, "compile": compile_,
+            # VOLO-D1's peak LR at its global batch 1024 (the LR does not change the speed).
+            "optimizer": {"lr_base": 1.6e-3, "lr_scaling": "none"},
+            "token_label": {"enabled": token_labels, "mix_token": token_labels},
+        },
+    }, "gpu_step")
+    torch.manual_seed(0)
+    model = models.build_model(params.model, NUM_CLASSES, args.img_size, mix_token=token_labels)
+    objective = losses.TokenLabelObjective.from_params(NUM_CLASSES, params.pretrain) if token_labels else None
+    no_batches: list = []
+    return Trainer(
+        stage="bench", params=params, cfg=params.pretrain, model=model, classes=[str(i) for i in range(NUM_CLASSES)],
+        train_loader=[None], val_loader=no_batches, runtime=runtime, param_sections=("pretrain",), provenance={},
+        checkpoint_dir=scratch / "ckpt", model_file=scratch / "model.pt", metrics_dir=scratch / "metrics",
+        objective=objective,
+    )
+
+
+def main() -> None:
+    args = parse_args()
+    if not torch.cuda.is_available():
+        sys.exit(f"bench/gpu_step.py: no usable CUDA GPU (torch {torch.__version__}, CUDA {torch.version.cuda})")
+    runtime = Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cuda", 0))
+    torch.cuda.set_device(runtime.device)
+    use_gpu_defaults()
+    batch = random_batch(args, runtime.device)
+    rows = [("ground truth", False, False), ("token labels + MixToken", True, False)]
+    if args.compile:
+        rows.append(("token labels + MixToken, compiled", True, True))
+    with tempfile.TemporaryDirectory(prefix="coarse2fine-bench-") as scratch:
+        store = random_store(Path(scratch) / "labels", args.batch)
+        variants = {
+            name: TrainerSteps(
+                new_trainer(args, runtime, Path(scratch) / name, token_labels=labels, compile_=compile_),
+                batch, store if labels else None, args.steps,
+            )
+            for name, labels, compile_ in rows
+        }
+        rates = interleaved(variants, args.repeats)
+    medians = {name: statistics.median(values) for name, values in rates.items()}
+    base = medians["ground truth"]
+    table = markdown_table(
+        ["step", "img/s (median)", "x ground truth", "img/s range"],
+        [[name, f"{medians[name]:.0f}", f"{medians[name] / base:.3f}x", f"{min(values):.0f}-{max(values):.0f}"]
+         for name, values in rates.items()],
+    )
+    text = "\n".join([
+        header_line(), "",
+        f"{torch.cuda.get_device_name(runtime.device)}: {args.model} at {args.img_size} px, batch {args.batch}, "
+        f"{args.precision}, fused AdamW, drop-path 0.1; {args.steps} steps per call, median of {args.repeats} "
+        f"interleaved calls after a warm-up call. Token labels: top-{TOP_K} maps on a {TEACHER_GRID} x "
+        f"{TEACHER_GRID} grid over {NUM_CLASSES} classes.",
+        "", table,
+    ])
+    print(text)
+    write_json(args, text, {"median_img_per_s": medians, "img_per_s": rates})
+
+
+if __name__ == "__main__":
+    main()

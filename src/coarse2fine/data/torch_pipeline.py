@@ -41,6 +41,7 @@ from coarse2fine.data.loaders import (
     normalised_affine,
     LoaderSettings,
     derive_seed,
+    epoch_permutation,
     normalise_pixels,
     random_erasing,
     resized_short_side,
@@ -274,8 +275,7 @@ class EpochSampler(Sampler):
         settings, runtime = self.settings, self.settings.runtime
         if settings.split == "val":
             return list(shard_range(settings.num_records, runtime.rank, runtime.world_size))
-        generator = torch.Generator().manual_seed(derive_seed(settings.seed, self.epoch))
-        order = torch.randperm(settings.num_records, generator=generator)
+        order = epoch_permutation(settings.num_records, settings.seed, self.epoch)
         batches = train_batches_per_rank(settings.num_records, runtime.world_size, settings.batch_size)
         return order[runtime.rank :: runtime.world_size][: batches * settings.batch_size].tolist()
 

@@ -12,17 +12,27 @@ Determinism and resuming: every epoch's stream is a pure function of (seed, epoc
 - torch: the train order is `epoch_permutation` of the records, seeded by (seed, epoch); each sample's
   augmentation is seeded by (seed, epoch, record index), independent of workers and ranks.
 - DALI: a pipeline cannot be reseeded, and a long-lived one carries its shuffle/augmentation state from
-  epoch to epoch (resuming would need its checkpoint). So each epoch runs a fresh pipeline deserialised from
-  a graph serialised once, with seed (seed, epoch, rank): about 0.05 s per epoch, against 0.5 s (1.5 s with
-  RandAugment; 5-7 s for a process's first graph) to define the graph again, measured on 2 CPU cores. Same
-  seed -> identical batches, whatever the thread count (tests/test_loaders.py).
+  epoch to epoch (resuming would need its checkpoint). So each epoch defines a fresh pipeline seeded by
+  (seed, epoch, rank) whose train reader lists the shards in the epoch's order (`epoch_permutation` of the
+  shards). The file list is part of the graph, so one graph serialised once (0.05 s an epoch to deserialise)
+  cannot serve: defining costs 0.5 s an epoch with RandAugment, 4 ms without (2 s for a process's first graph),
+  measured on 2 CPU cores. The pipelines keep the executor the deserialised ones ran
+  (`dali_pipeline.SIMPLE_EXECUTOR`). Same seed -> identical batches, whatever the thread count
+  (tests/test_loaders.py).
+
+Shuffling: the train order changes about as much from one epoch to the next on both backends
+(tests/test_shuffle.py measures how far records move, on many small shards). torch draws a permutation. DALI
+reads whole shards in the epoch's order and draws each batch from a buffer of `dali_pipeline.SHUFFLE_BUFFER`
+records (why that size: its comment); with the shards in a fixed order, a record would stay within a few
+buffers of its place every epoch.
 
 Training sharding: every rank gets `train_batches_per_rank` full batches (floor(N / world) // batch), a
 number every rank computes alike, so DDP never waits on a rank that ran out. torch: rank r takes every
-world-th sample of the epoch's permutation, cut to that many batches. DALI: rank r reads the contiguous
-shard (r + epoch) % world (rotating like DALI's own stick_to_shard=False); shards differ by at most one
-record, and DALIGenericIterator with reader_name and DROP already stops every rank when the smallest shard
-runs out of full batches (measured: 168- and 169-record shards, batch 13 -> 12 batches on both).
+world-th sample of the epoch's permutation, cut to that many batches. DALI: rank r reads the r-th of world
+contiguous record ranges of the epoch's shard order (DALI's own split, as `shard_range`), so ranks trade shards
+every epoch; ranges differ by at most one record, and DALIGenericIterator with reader_name and DROP already
+stops every rank when the smallest range runs out of full batches (measured: 168- and 169-record ranges,
+batch 13 -> 12 batches on both).
 Validation: rank r reads the contiguous record range `shard_range(N, r, world)` (DALI's own split), every
 record exactly once, the last batch partial. DALI's PARTIAL policy pads the smaller shards to the largest
 one's batch count with an empty batch (measured); `Loader` stops each rank after its own

@@ -91,7 +91,7 @@ class Data(Section):
 class Loader(Section):
     backend: Literal["auto", "dali", "torch"] = "auto"  # auto: DALI if importable, else torch
     workers: int = Field(2, ge=0)  # DALI threads / torch DataLoader workers per rank
-    prefetch: int = Field(2, gt=0)
+    prefetch: int = Field(2, gt=0)  # batches prepared ahead: torch DataLoader workers, DALI on a GPU
 
 
 # timm's RandAugment levels run 0..10 (its _LEVEL_DENOM), which is also its default magnitude.

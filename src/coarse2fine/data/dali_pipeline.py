@@ -80,10 +80,11 @@ ERASE_ASPECT = (0.3, 1 / 0.3)
 # buffer fits, two at once do not); otherwise it copies them, 16384 x ~110 KB ImageNet JPEGs = 1.8 GB a rank, read
 # before the first batch (4.4 s against 0.03 s mapped, measured on 2 CPU cores).
 SHUFFLE_BUFFER = 16384
-# DALI's simple executor: run() computes its batch there and then, on DALI's threads. The loader's pipelines ran it
-# while they were deserialised (Pipeline.deserialize's default), and on 2 CPU cores it costs about 20 % less CPU per
-# 224 px image than DALI's default asynchronous executor (2.2-2.5 against 2.8-3.2 ms, measured; 1.1 against 1.8 ms
-# at 32 px with RandAugment's many small ops). Not measured on a GPU, where overlapping the step may favour the other.
+# DALI's simple executor: run() computes its batch there and then, on DALI's threads. On a CPU it costs about 20 %
+# less CPU per 224 px image than DALI's default asynchronous executor (2.2-2.5 against 2.8-3.2 ms, measured on 2
+# cores; 1.1 against 1.8 ms at 32 px with RandAugment's many small ops), and the loading shares the cores with the
+# step anyway. On a GPU the default one prepares loader.prefetch batches ahead while the GPU runs the step, which is
+# what DALI is for there (`executor`).
 SIMPLE_EXECUTOR = dict(exec_pipelined=False, exec_async=False)
 FEATURES = {
     "image": tfrec.FixedLenFeature((), tfrec.string, ""),
@@ -95,6 +96,12 @@ FEATURES = {
 def decoder_device(settings: LoaderSettings) -> str:
     """The one CPU/GPU choice: `mixed` decodes on the GPU (everything after it follows), else all on the CPU."""
     return "cpu" if settings.runtime.device_id is None else "mixed"
+
+
+def executor(settings: LoaderSettings) -> dict[str, bool]:
+    """DALI's default pipelined, asynchronous executor on a GPU (batches prefetched while the step runs); the
+    simple one on a CPU (SIMPLE_EXECUTOR: less work per image where loading and the step share the cores)."""
+    return SIMPLE_EXECUTOR if decoder_device(settings) == "cpu" else {}
 
 
 def finishes_on_host(settings: LoaderSettings) -> bool:
@@ -376,7 +383,7 @@ class DaliBackend:
             num_threads=max(1, settings.loader_cfg.workers),
             device_id=settings.runtime.device_id,
             prefetch_queue_depth=settings.loader_cfg.prefetch,
-            **SIMPLE_EXECUTOR,
+            **executor(settings),
             seed=seed,
             files=[str(tfrecord) for tfrecord, _ in shards],
             index_files=[str(index) for _, index in shards],

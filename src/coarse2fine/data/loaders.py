@@ -16,8 +16,8 @@ Determinism and resuming: every epoch's stream is a pure function of (seed, epoc
   (seed, epoch, rank) whose train reader lists the shards in the epoch's order (`epoch_permutation` of the
   shards). The file list is part of the graph, so one graph serialised once (0.05 s an epoch to deserialise)
   cannot serve: defining costs 0.5 s an epoch with RandAugment, 4 ms without (2 s for a process's first graph),
-  measured on 2 CPU cores. The pipelines keep the executor the deserialised ones ran
-  (`dali_pipeline.SIMPLE_EXECUTOR`). Same seed -> identical batches, whatever the thread count
+  measured on 2 CPU cores. On a CPU they run DALI's simple executor, on a GPU its asynchronous one
+  (`dali_pipeline.executor`). Same seed -> identical batches, whatever the thread count
   (tests/test_loaders.py).
 
 Shuffling: the train order changes about as much from one epoch to the next on both backends

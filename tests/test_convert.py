@@ -15,10 +15,12 @@ import pytest
 import yaml
 from conftest import PROJECT_ROOT, cpu_runtime, make_params
 from PIL import Image
+from tfrecord.tools.tfrecord2idx import create_index
 
 from coarse2fine.data import records, sources
 from coarse2fine.data.convert import convert
 from coarse2fine.errors import UserError
+from coarse2fine.files import file_sha256
 
 STAGE = PROJECT_ROOT / "stages" / "convert.py"
 ENV = {**os.environ, "DVC_NO_ANALYTICS": "1", "MLFLOW_DISABLE_TELEMETRY": "true"}
@@ -186,12 +188,28 @@ def test_transparent_pixels_become_white(converted, name):
     assert pixels[:, 8:].mean() < 200  # the opaque noise is kept
 
 
-def test_index_files_match_the_records(converted):
-    for split in records.SPLITS:
-        for tfrecord, index in records.shard_files(converted["two_ranks"], split):
-            offsets = np.loadtxt(index, dtype=np.int64, ndmin=2)
-            assert len(offsets) == sum(1 for _ in records.read_shard(tfrecord))
-            assert offsets[-1].sum() == tfrecord.stat().st_size  # last offset + length = end of file
+def test_index_and_digest_taken_while_writing_are_what_reading_the_shard_gives(converted, digits_records, tmp_path):
+    """write_shard never reads a shard back: its index must be byte for byte tfrecord's create_index of the file
+    (what DALI reads), and the manifest's count, size and sha256 those of the file."""
+    reference = tmp_path / "reference.idx"
+    for records_dir in (converted["two_ranks"], digits_records):
+        manifest = records.read_manifest(records_dir)
+        for split in records.SPLITS:
+            listed = manifest["splits"][split]["shards"]
+            for shard, (tfrecord, index) in zip(listed, records.shard_files(records_dir, split), strict=True):
+                create_index(str(tfrecord), str(reference))
+                assert index.read_bytes() == reference.read_bytes(), index
+                assert shard["count"] == sum(1 for _ in records.read_shard(tfrecord))
+                assert (shard["bytes"], shard["sha256"]) == (tfrecord.stat().st_size, file_sha256(tfrecord))
+
+
+def test_an_index_without_a_line_per_record_is_refused(digits_records, tmp_path):
+    """DALI reads only the records an index lists: a short one would drop records silently."""
+    copy = shutil.copytree(digits_records, tmp_path / "records")
+    (_, index), *_ = records.shard_files(copy, "train")
+    index.write_text("".join(index.read_text().splitlines(keepends=True)[:-1]))
+    with pytest.raises(UserError, match=f"{index.name}: 216 entries for the 217 records"):
+        records.shard_files(copy, "train")
 
 
 def test_output_is_independent_of_ranks_and_workers(converted):

@@ -16,7 +16,6 @@ from typing import Any, Iterable, Iterator
 
 from tfrecord import example_pb2
 from tfrecord.reader import tfrecord_loader
-from tfrecord.tools.tfrecord2idx import create_index
 from tfrecord.writer import TFRecordWriter
 
 from coarse2fine.errors import UserError
@@ -58,38 +57,52 @@ def example(*, image: bytes, label: int, index: int, height: int, width: int, pa
     }
 
 
-class _DeterministicWriter(TFRecordWriter):
-    # TFRecordWriter.write serialises the Example's feature map in hash order, and upb seeds that hash per
-    # process: the same record came out with its features in a different order on every run. Re-serialising
-    # with deterministic=True sorts the map, so equal inputs give byte-identical shards. The framing below is
-    # TFRecordWriter.write's, with its masked CRC.
+class _ShardWriter(TFRecordWriter):
+    """Writes a shard and, in the same pass, its index lines and sha256: the shard is never read back.
+
+    Byte-identical to TFRecordWriter.write + tfrecord's create_index over the file, but deterministic:
+    TFRecordWriter.write serialises the Example's feature map in hash order, and upb seeds that hash per
+    process, so the same record came out with its features in a different order on every run. Re-serialising
+    with deterministic=True sorts the map. The framing is TFRecordWriter.write's (with its masked CRC); an index
+    line is create_index's "offset length" of the framed record.
+    """
+
+    def __init__(self, path: str | Path):
+        super().__init__(str(path))
+        self.index_lines: list[str] = []
+        self.sha256 = hashlib.sha256()
+        self.bytes = 0
+
     def write_example(self, datum: dict[str, tuple[Any, str]]) -> None:
         unordered = TFRecordWriter.serialize_tf_example(datum)
         record = example_pb2.Example.FromString(unordered).SerializeToString(deterministic=True)
         length = struct.pack("<Q", len(record))
-        self.file.write(length + self.masked_crc(length) + record + self.masked_crc(record))
+        framed = length + self.masked_crc(length) + record + self.masked_crc(record)
+        self.file.write(framed)
+        self.sha256.update(framed)
+        self.index_lines.append(f"{self.bytes} {len(framed)}\n")
+        self.bytes += len(framed)
 
 
 def write_shard(
     records_dir: Path, split: str, shard: int, num_shards: int, first_index: int, examples: Iterable[dict]
 ) -> ShardInfo:
-    """Write one shard and its index (each atomically); `examples` come from `example()`."""
+    """Write one shard and its index (each atomically); `examples` come from `example()`. The count, size and
+    sha256 it returns are taken while writing."""
     stem = shard_stem(split, shard, num_shards)
     tfrecord_path, index_path = records_dir / f"{stem}.tfrecord", records_dir / f"{stem}.idx"
-    count = 0
     with atomic_path(tfrecord_path) as temporary_tfrecord, atomic_path(index_path) as temporary_index:
-        writer = _DeterministicWriter(str(temporary_tfrecord))
+        writer = _ShardWriter(temporary_tfrecord)
         try:
             for datum in examples:
                 writer.write_example(datum)
-                count += 1
         finally:
             writer.close()
-        create_index(str(temporary_tfrecord), str(temporary_index))
-        with open(temporary_tfrecord, "rb") as file:
-            sha256 = hashlib.file_digest(file, "sha256").hexdigest()
-        size = temporary_tfrecord.stat().st_size
-    return ShardInfo(split, tfrecord_path.name, index_path.name, first_index, count, size, sha256)
+        temporary_index.write_text("".join(writer.index_lines), encoding="ascii")
+    return ShardInfo(
+        split, tfrecord_path.name, index_path.name, first_index, len(writer.index_lines), writer.bytes,
+        writer.sha256.hexdigest(),
+    )
 
 
 def clear(records_dir: Path) -> None:
@@ -147,13 +160,27 @@ def _read_json(records_dir: Path, name: str) -> Any:
 
 
 def shard_files(records_dir: str | Path, split: str) -> list[tuple[Path, Path]]:
-    """(tfrecord, index) per shard of `split`, in index order, as the manifest lists them."""
+    """(tfrecord, index) per shard of `split`, in index order, as the manifest lists them.
+
+    Each index must have one line per record of its shard: DALI reads exactly the records an index lists, so a
+    truncated one would drop records without a word.
+    """
     records_dir = Path(records_dir)
-    shards = read_manifest(records_dir)["splits"][split]["shards"]
-    pairs = [(records_dir / shard["file"], records_dir / shard["index_file"]) for shard in shards]
-    for path in (path for pair in pairs for path in pair):
-        if not path.is_file():
-            raise UserError(f"{path}: listed in {records_dir / MANIFEST_FILE} but missing; run the convert stage again")
+    pairs = []
+    for shard in read_manifest(records_dir)["splits"][split]["shards"]:
+        tfrecord, index = records_dir / shard["file"], records_dir / shard["index_file"]
+        for path in (tfrecord, index):
+            if not path.is_file():
+                raise UserError(
+                    f"{path}: listed in {records_dir / MANIFEST_FILE} but missing; run the convert stage again"
+                )
+        entries = index.read_bytes().count(b"\n")
+        if entries != shard["count"]:
+            raise UserError(
+                f"{index}: {entries} entries for the {shard['count']} records of {tfrecord.name}; "
+                f"run the convert stage again"
+            )
+        pairs.append((tfrecord, index))
     return pairs
 
 

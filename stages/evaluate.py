@@ -22,9 +22,9 @@ from coarse2fine.tracking import Tracker
 
 
 def param_sections(settings: str) -> tuple[str, ...]:
-    """What this stage reads, exactly the keys dvc.yaml lists for it (the val loader takes the seed and the
-    interpolation)."""
-    return ("seed", "evaluate.batch_size", f"evaluate.{settings}", "loader", "augment.interpolation")
+    """What this stage reads, exactly the keys dvc.yaml lists for it (the val loader takes the seed, the backend
+    and the interpolation)."""
+    return ("seed", "evaluate.batch_size", f"evaluate.{settings}", "loader.backend", "augment.interpolation")
 
 
 def main(params: Params, args: argparse.Namespace) -> None:

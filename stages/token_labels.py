@@ -25,10 +25,11 @@ from coarse2fine.errors import UserError
 from coarse2fine.files import file_sha256
 from coarse2fine.labels.generate import REFERENCE_IMAGENET_BYTES, Generation, View, dense_head, generate
 from coarse2fine.labels.imported import REFERENCE_VIEW, import_labels
-from coarse2fine.tracking import Tracker
+from coarse2fine.tracking import Tracker, stage_params
 
-# What this stage reads (as dvc.yaml lists it): the generation's settings, the loader's worker count, the resize.
-PARAM_SECTIONS = ("token_labels", "loader.workers", "augment.interpolation")
+# What this stage reads (as dvc.yaml lists it): the generation's settings and the resize. Not loader.workers, which
+# it runs with: a speed knob, the same store whatever the count.
+PARAM_SECTIONS = ("token_labels", "augment.interpolation")
 
 
 def main(params: Params, args: argparse.Namespace) -> None:
@@ -68,7 +69,7 @@ def _generator(
     records_digest = records.manifest_digest(args.records)
     # What the store is a function of: a killed run's chunks are only kept when all of it is the same.
     inputs = {
-        **provenance.result_params(params, PARAM_SECTIONS),
+        **stage_params(params, PARAM_SECTIONS),
         "teacher_digest": file_sha256(args.teacher),
         "records_digest": records_digest,
         **provenance.fingerprint(__file__),

@@ -85,7 +85,7 @@ def test_pretrained_at_32_px_fine_tuned_at_48_keeps_its_accuracy(digits_records,
             records=digits_records, token_labels=tmp_path / "none", checkpoint_dir=tmp_path / f"{stage}_ckpt",
             model_file=tmp_path / stage / "model.pt", metrics_dir=tmp_path / "metrics" / stage, init_from=init_from,
         )
-        sections = ("seed", "model", stage, "loader", "augment")
+        sections = ("seed", "model", stage, "loader.backend", "augment")
         train_student(stage, params, getattr(params, stage), paths, sections, PROJECT_ROOT / f"stages/{stage}.py")
         return paths.model_file
 

@@ -119,10 +119,13 @@ def quadrant_records(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return converted(two_colour_folder(tmp_path_factory.mktemp("quadrants"), red_and_blue_quadrants))
 
 
-def generate_store(records_dir: Path, out: Path, *, view: str = "whole", head=colour_teacher, batch_size: int = 8, **options):
+def generate_store(
+    records_dir: Path, out: Path, *, view: str = "whole", head=colour_teacher, batch_size: int = 8, workers: int = 0,
+    **options,
+):
     return generate(
         head, records_dir, out_dir=out, work_dir=out.with_name(out.name + "_partial"),
-        view=View(view, 32, "bicubic"), top_k=2, batch_size=batch_size, workers=0, runtime=cpu_runtime(),
+        view=View(view, 32, "bicubic"), top_k=2, batch_size=batch_size, workers=workers, runtime=cpu_runtime(),
         autocast_dtype=None, inputs={"batch_size": batch_size}, header={}, **options,
     )
 
@@ -267,6 +270,15 @@ def test_a_crashed_generation_resumes_to_the_same_bytes(digits_records, tmp_path
         generate_store(digits_records, tmp_path / "other" / "labels", head=crashing_after(1 + 20, head))
     generate_store(digits_records, tmp_path / "other" / "labels", head=head, batch_size=4)
     assert "resuming" not in capsys.readouterr().out
+
+
+def test_the_store_is_the_same_whatever_the_worker_count(digits_records, tmp_path):
+    """loader.workers only spreads the decoding over processes (the batches are fixed lists of records, in
+    order): the token_labels stage leaves it out of what it depends on, so a changed count keeps the chunks."""
+    head = dense_head(random_teacher(10))
+    for workers in (0, 2):
+        generate_store(digits_records, tmp_path / f"workers{workers}" / "labels", head=head, workers=workers)
+    assert store_bytes(tmp_path / "workers0" / "labels") == store_bytes(tmp_path / "workers2" / "labels")
 
 
 def test_store_metrics_and_header(digits_records, tmp_path):

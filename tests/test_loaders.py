@@ -42,9 +42,10 @@ VAL_BATCH = 8
 
 
 def make_loader(
-    records_dir, split, backend, *, runtime=None, batch_size=16, augment=None, crop_pct=1.0, seed=0, workers=0
+    records_dir, split, backend, *, runtime=None, batch_size=16, augment=None, crop_pct=1.0, seed=0, workers=0,
+    prefetch=2,
 ):
-    params = make_params(loader={"backend": backend, "workers": workers}, augment=augment or {})
+    params = make_params(loader={"backend": backend, "workers": workers, "prefetch": prefetch}, augment=augment or {})
     return build_loader(
         split,
         records_dir,
@@ -66,6 +67,13 @@ def rank_runtime(rank: int, world_size: int) -> Runtime:
 def epoch(loader, number: int) -> list[dict[str, torch.Tensor]]:
     loader.set_epoch(number)
     return list(loader)
+
+
+def assert_same_batches(expected: list[dict], actual: list[dict]) -> None:
+    assert len(expected) == len(actual)
+    for a, b in zip(expected, actual):
+        for key in a:
+            assert torch.equal(a[key], b[key]), key
 
 
 def indices(batches) -> list[int]:
@@ -227,15 +235,22 @@ def test_same_seed_and_epoch_give_identical_batches_and_resume(digits_records, b
     runtime = rank_runtime(1, 2)
     uninterrupted = make_loader(digits_records, "train", backend, runtime=runtime, augment=FULL_AUGMENT)
     first, second = epoch(uninterrupted, 0), epoch(uninterrupted, 1)
-    # Another worker/thread count too: the stream must not depend on it.
-    resumed = make_loader(digits_records, "train", backend, runtime=runtime, augment=FULL_AUGMENT, workers=2)
+    # Another worker/thread count and prefetch depth too: the stream must not depend on these speed knobs.
+    resumed = make_loader(
+        digits_records, "train", backend, runtime=runtime, augment=FULL_AUGMENT, workers=2, prefetch=3
+    )
     for expected, actual in ((second, epoch(resumed, 1)), (first, epoch(resumed, 0))):
-        assert len(expected) == len(actual)
-        for a, b in zip(expected, actual):
-            for key in a:
-                assert torch.equal(a[key], b[key]), key
+        assert_same_batches(expected, actual)
     # A new order, and a new share of the records for this rank (torch: a fresh permutation; DALI: the next shard).
     assert indices(first) != indices(second) and set(indices(first)) != set(indices(second))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_val_batches_are_the_same_whatever_the_workers_and_prefetch(digits_records, backend):
+    """What evaluate and every stage's validation read: the speed knobs, which no stage lists, change no batch."""
+    expected = make_loader(digits_records, "val", backend, batch_size=32)
+    actual = make_loader(digits_records, "val", backend, batch_size=32, workers=2, prefetch=3)
+    assert_same_batches(list(expected), list(actual))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

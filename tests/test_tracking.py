@@ -648,6 +648,25 @@ def test_each_stage_logs_exactly_the_params_dvc_tracks_for_it(stage):
     stage_params(parse_params({}), sections)  # raises if an entry names no params
 
 
+# How fast a stage runs, never what it writes: the loaders' streams (tests/test_loaders.py), the token labels
+# (tests/test_generate.py) and the records (tests/test_convert.py) are the same whatever their values.
+SPEED_KNOBS = ("loader.workers", "loader.prefetch", "data.convert_workers")
+
+
+def test_no_stage_reruns_for_a_speed_knob():
+    """No stage lists a speed knob (nor the whole section it is in): changing one reruns nothing under DVC, and no
+    checkpoint or partial token labels made under another value are discarded (their inputs are these params).
+    Everything else of the loader and data sections is listed where they are read."""
+    dvc_stages = yaml.safe_load((PROJECT_ROOT / "dvc.yaml").read_text())["stages"]
+    listed = {name: stage.get("do", stage).get("params", []) for name, stage in dvc_stages.items()}
+    for name, keys in listed.items():
+        for knob in SPEED_KNOBS:
+            assert not any(knob == key or knob.startswith(f"{key}.") for key in keys), (name, knob)
+    params = parse_params({})
+    read = {key for name in ("convert", "teacher") for key in stage_params(params, listed[name])}
+    assert {key for key in flatten(params) if key.startswith(("data.", "loader."))} - read == set(SPEED_KNOBS)
+
+
 def test_stage_params_rejects_keys_that_name_no_params():
     params = parse_params({})
     assert stage_params(params, ("augment.interpolation",)) == {"augment.interpolation": "bicubic"}

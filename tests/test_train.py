@@ -56,7 +56,7 @@ def make_trainer(
     return train.Trainer(
         stage="pretrain", params=params, cfg=params.pretrain, model=model, classes=[str(i) for i in range(NUM_CLASSES)],
         train_loader=loader, val_loader=loader, runtime=runtime or cpu_runtime(),
-        param_sections=("seed", "model", "pretrain", "loader"),
+        param_sections=("seed", "model", "pretrain", "loader.backend"),  # pretrain's, less augment
         provenance=provenance or {"data_digest": "digits", "code": "abc"},
         checkpoint_dir=tmp_path / "ckpt", model_file=tmp_path / "model" / "model.pt", metrics_dir=tmp_path / "metrics",
     )
@@ -240,7 +240,8 @@ def test_checkpoint_from_other_code_data_or_libraries_is_not_resumed(tmp_path, c
 
 
 def test_loader_speed_knobs_keep_a_checkpoint_resumable(tmp_path):
-    """loader.workers and loader.prefetch change how fast batches come, not which: the run resumes."""
+    """loader.workers and loader.prefetch change how fast batches come, not which (tests/test_loaders.py), so no
+    stage lists them: the run resumes. The backend changes which."""
     make_trainer(tmp_path, loader={"workers": 2, "prefetch": 2}).save_checkpoint(1, {}, run_id=None)
     resumed = make_trainer(tmp_path, loader={"workers": 0, "prefetch": 4})
     assert resumed.load_checkpoint() is not None and resumed.start_epoch == 1

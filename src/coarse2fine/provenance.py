@@ -22,24 +22,11 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import coarse2fine
-from coarse2fine.config import Params
-from coarse2fine.tracking import stage_params
 
 PACKAGE = coarse2fine.__name__
 PACKAGE_DIR = Path(coarse2fine.__file__).resolve().parent
 # The third-party code a trained result depends on most: a different version may train differently.
 RESULT_LIBRARIES = ("torch", "torchvision", "timm", "numpy", "pillow", "nvidia-dali-cuda130")
-# Params that change how fast a stage goes, never what it computes (each loader's stream is a function of the
-# seed, epoch and rank alone): changing them must not throw away a resumable checkpoint or partial output.
-RESULT_NEUTRAL_PARAMS = frozenset({"loader.workers", "loader.prefetch"})
-
-
-def result_params(params: Params, param_sections: Iterable[str]) -> dict[str, str]:
-    """The params a stage reads (`param_sections`, as dvc.yaml lists them) less the result-neutral ones."""
-    return {
-        key: value for key, value in stage_params(params, tuple(param_sections)).items()
-        if key not in RESULT_NEUTRAL_PARAMS
-    }
 
 
 def code_files(script: str | Path) -> list[Path]:

@@ -17,8 +17,8 @@ Checkpoint (`<checkpoint_dir>/last.pt`, rewritten atomically after every epoch, 
     run_id     the MLflow run, reopened on resume
     metrics    the last epoch's metrics: logged after the checkpoint is written, so a resumed run logs them
                if the killed one did not get to (`Tracker.resume_history`)
-    inputs     what the result depends on: the params the stage reads (less those that cannot change it,
-               RESULT_NEUTRAL_PARAMS), the world size, and the stage's `provenance` (the data digest, the
+    inputs     what the result depends on: the params the stage reads (as dvc.yaml lists them: no speed knob
+               such as loader.workers), the world size, and the stage's `provenance` (the data digest, the
                hash of the code the stage runs, the library versions). A checkpoint written under other
                inputs is ignored, not resumed: DVC keeps the checkpoint dir across the reruns a changed
                param or code file causes, and the outputs must stay a function of what is on disk now.
@@ -50,8 +50,7 @@ from coarse2fine.distributed import Runtime
 from coarse2fine.errors import UserError
 from coarse2fine.evaluate import evaluate
 from coarse2fine.progress import progress
-from coarse2fine.provenance import result_params
-from coarse2fine.tracking import Tracker
+from coarse2fine.tracking import Tracker, stage_params
 
 CHECKPOINT_FILE = "last.pt"
 PROGRESS_EVERY = 10  # steps between updates of the progress bar's loss
@@ -177,7 +176,7 @@ class Trainer:
         self.start_epoch = 0
         # What the run's outcome depends on: a checkpoint written under anything else is stale.
         self.run_inputs = {
-            **result_params(params, self.param_sections), "world_size": str(runtime.world_size), **provenance
+            **stage_params(params, self.param_sections), "world_size": str(runtime.world_size), **provenance
         }
 
     # ---------------------------------------------------------------------------------------------- the loop

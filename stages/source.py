@@ -1,6 +1,7 @@
 """List the source images (params data.source, data.root) into data/source.json: what convert reads; an
 imported teacher's weights file (teacher.mode, teacher.weights) into data/teacher_source.json; and imported token
-labels (token_labels.mode, token_labels.import_dir) into data/token_labels_source.json.
+labels (token_labels.mode, token_labels.import_dir) into data/token_labels_source.json, or there that no student
+learns from token labels (pretrain/finetune.token_label.enabled): token_labels then writes an empty store.
 
 dvc.yaml runs this stage at every `dvc repro` (always_changed): it stats every file under the data root, so
 an image added, removed or replaced changes data/source.json and reruns convert and what follows, while an
@@ -21,7 +22,7 @@ def main(params: Params, args: argparse.Namespace) -> None:
     listings = (
         (args.out, source_state(params.data)),
         (args.teacher_out, weights_state(params.teacher)),
-        (args.labels_out, token_labels_state(params.token_labels)),
+        (args.labels_out, token_labels_state(params)),
     )
     for path, state in listings:
         with files.atomic_path(path) as temporary:

@@ -1,8 +1,13 @@
 """Token labels (params token_labels.*): the teacher's top-k dense scores for every train record, in data/token_labels.
 
 `token_labels.mode: generate` runs the teacher: ranks split the records; a killed run resumes from its last
-finished chunk (data/token_labels_partial); 1 or N ranks write the same bytes. `import` reads the reference's
-published label files instead (token_labels.import_dir; coarse2fine.labels.imported), no teacher forward.
+finished chunk (data/token_labels_partial, which also keeps a finished run: the same inputs again, say after token
+labeling was off everywhere, republish it without a forward); 1 or N ranks write the same bytes. `import` reads the reference's
+published label files instead (token_labels.import_dir; coarse2fine.labels.imported), no teacher forward. When
+no student learns from token labels (pretrain/finetune.token_label.enabled both false), an empty store: neither
+the teacher nor the records are read.
+The store also holds what dvc.yaml's students depend on (`_write_student_deps`), so that a student with token
+labeling off is not rerun when the labels change.
 Metrics: the teacher's dense top-1 (spatially averaged map vs the label) and its cells' top-1, what the student
 will be taught against what the teacher said (entropy and top-1 of the whole-image target from the store vs the
 teacher's own prediction, the probability the top k leave), bytes per image and what the same settings would take
@@ -14,6 +19,7 @@ import functools
 import hashlib
 import json
 import math
+import shutil
 from pathlib import Path
 from typing import Callable
 
@@ -23,25 +29,34 @@ from coarse2fine.data import records
 from coarse2fine.distributed import Runtime
 from coarse2fine.errors import UserError
 from coarse2fine.files import file_sha256
+from coarse2fine.labels import store
 from coarse2fine.labels.generate import REFERENCE_IMAGENET_BYTES, Generation, View, dense_head, generate
 from coarse2fine.labels.imported import REFERENCE_VIEW, import_labels
 from coarse2fine.tracking import Tracker, stage_params
 
 # What this stage reads (as dvc.yaml lists it): the generation's settings and the resize. Not loader.workers, which
-# it runs with: a speed knob, the same store whatever the count.
+# it runs with: a speed knob, the same store whatever the count. Nor the students' token_label.enabled: whether any
+# student reads the labels (Params.token_labels_needed) reaches DVC through data/token_labels_source.json, which the
+# source stage rewrites when that flips; listing the flags here would regenerate every label whenever one student
+# stops reading them while the other still does.
 PARAM_SECTIONS = ("token_labels", "augment.interpolation")
+STUDENT_DEPS_DIR = "enabled"  # in the store: what dvc.yaml's students depend on (_write_student_deps)
 
 
 def main(params: Params, args: argparse.Namespace) -> None:
     cfg = params.token_labels
-    classes = records.read_classes(args.records)
     with distributed.session(params.launch.device) as runtime:
+        if not params.token_labels_needed:
+            _write_unused_store(params, args, runtime)
+            return
+        classes = records.read_classes(args.records)
         make_store = _importer(params, args, runtime) if cfg.mode == "import" else _generator(params, args, runtime, classes)
         with Tracker("token_labels", params, runtime, metrics_dir=args.metrics, param_sections=PARAM_SECTIONS) as tracker:
             tracker.log_records(args.records, "train")
             metrics = make_store().metrics()
             tracker.log_summary(metrics)
             if runtime.is_main:
+                _write_student_deps(Path(args.out), store_written=True)
                 print(
                     f"token_labels: {metrics['images']} images, teacher dense top-1 {metrics['dense_top1']:.2f} % "
                     f"(cells {metrics['cell_top1']:.2f} %), entropy {metrics['teacher_entropy']:.3f} nats; the "
@@ -55,6 +70,33 @@ def main(params: Params, args: argparse.Namespace) -> None:
                     f"GB, the reference's {REFERENCE_IMAGENET_BYTES / 1e9:.1f} GB), {metrics['img_per_s']:.0f} img/s",
                     flush=True,
                 )
+
+
+def _write_unused_store(params: Params, args: argparse.Namespace, runtime: Runtime) -> None:
+    """No student reads token labels: a store of nothing but the false student dep (no teacher, no records)."""
+    runtime.announce("token_labels (read by no student)")
+    with Tracker("token_labels", params, runtime, metrics_dir=args.metrics, param_sections=PARAM_SECTIONS) as tracker:
+        if runtime.is_main:
+            shutil.rmtree(args.out, ignore_errors=True)
+            _write_student_deps(Path(args.out), store_written=False)
+            Path(args.work_dir).mkdir(parents=True, exist_ok=True)  # a dvc.yaml output; an earlier run's work stays
+            print(
+                "token_labels: no student learns from token labels (pretrain/finetune.token_label.enabled): "
+                "an empty store, no teacher forward",
+                flush=True,
+            )
+        tracker.log_summary({"images": 0})
+
+
+def _write_student_deps(store_dir: Path, *, store_written: bool) -> None:
+    """What dvc.yaml's students depend on: `<store>/enabled/${<student>.token_label.enabled}`, which DVC renders as
+    enabled/true or enabled/false. `true` holds the store's identity (its header's sha256), so it changes with the
+    labels; `false` is empty, so a student that does not read the labels is never rerun for them."""
+    deps = store_dir / STUDENT_DEPS_DIR
+    deps.mkdir(parents=True, exist_ok=True)
+    (deps / "false").write_bytes(b"")
+    if store_written:
+        (deps / "true").write_text(store.header_digest(store_dir) + "\n", encoding="utf-8")
 
 
 def _generator(

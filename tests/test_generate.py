@@ -263,7 +263,12 @@ def test_a_crashed_generation_resumes_to_the_same_bytes(digits_records, tmp_path
     assert resumed.generated == 434 - 128 and resumed.metrics()["images"] == 434
     assert resumed.sums == pytest.approx(whole.sums)  # every statistic, the killed run's chunks included
     assert store_bytes(tmp_path / "crashed" / "labels") == store_bytes(tmp_path / "whole" / "labels")
-    assert list((tmp_path / "crashed" / "labels_partial").iterdir()) == []  # emptied once published
+    # The finished work stays (hard links to the store's arrays): the same inputs again publish it without a
+    # teacher forward (call 0 measures the grid; a batch would crash).
+    again = generate_store(digits_records, tmp_path / "crashed" / "labels", head=crashing_after(1, head))
+    assert "resuming, 4 of 4 chunks done" in capsys.readouterr().out
+    assert again.generated == 0 and again.metrics()["images"] == 434 and again.sums == pytest.approx(whole.sums)
+    assert store_bytes(tmp_path / "crashed" / "labels") == store_bytes(tmp_path / "whole" / "labels")
 
     # Other inputs (here: another batch size, which regroups the batches) never resume a partial run.
     with pytest.raises(Crash):
@@ -334,6 +339,10 @@ def test_two_ranks_write_the_same_bytes_as_one(digits_records, tmp_path):
     )
     one, two = (run_token_labels_stage(tmp_path, digits_records, teacher_file, nproc) for nproc in (1, 2))
     assert store_bytes(one / "labels") == store_bytes(two / "labels")
+    # What dvc.yaml's students depend on: the store's identity if they learn from it, else nothing.
+    deps = one / "labels" / "enabled"
+    assert (deps / "true").read_text() == store.header_digest(one / "labels") + "\n"
+    assert (deps / "false").read_bytes() == b""
     header = json.loads((one / "labels" / store.HEADER_FILE).read_text())
     assert header["teacher"] == {"name": "resnet10t", "img_size": 32, "view": "whole"}
     assert header["records_digest"] == records.manifest_digest(digits_records)

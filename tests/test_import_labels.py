@@ -189,24 +189,35 @@ def test_a_corrupt_label_file_is_one_line_naming_it(digits_records, tmp_path):
     assert str(error.value).startswith(str(path)) and "\n" not in str(error.value)
 
 
+# What makes the source stage list the token labels' origin: a student that learns from them.
+A_STUDENT_READS = {"finetune": {"token_label": {"enabled": True}}}
+
+
 def test_import_mode_needs_its_directory():
     with pytest.raises(ParamsError, match="token_labels.*import_dir: required when mode is 'import'"):
         make_params(token_labels={"mode": "import"})
     with pytest.raises(UserError, match="token_labels.import_dir: .*missing: directory not found"):
-        token_labels_state(make_params(token_labels={"mode": "import", "import_dir": "/missing"}).token_labels)
+        token_labels_state(make_params(token_labels={"mode": "import", "import_dir": "/missing"}, **A_STUDENT_READS))
 
 
 def test_the_source_listing_changes_with_the_label_files(tmp_path):
     """The source stage's listing of the import directory: what reruns token_labels when the label set changes."""
     (tmp_path / "7").mkdir()
     torch.save(good_file(), tmp_path / "7" / "00300.pt")
-    cfg = make_params(token_labels={"mode": "import", "import_dir": str(tmp_path)}).token_labels
+    cfg = make_params(token_labels={"mode": "import", "import_dir": str(tmp_path)}, **A_STUDENT_READS)
     before = token_labels_state(cfg)
     assert before["files"] == 1 and before["mode"] == "import"
     assert token_labels_state(cfg) == before
     torch.save(good_file(classes=[5, 6, 7, 8, 9]), tmp_path / "7" / "00301.pt")
     assert token_labels_state(cfg)["digest"] != before["digest"]
-    assert token_labels_state(make_params().token_labels) == {"mode": "generate"}
+    on = {"token_label": {"enabled": True}}
+    assert token_labels_state(make_params(pretrain=on)) == token_labels_state(make_params(finetune=on)) == {
+        "mode": "generate"
+    }  # which student reads them does not rerun token_labels
+    # No student reads token labels (the schema's default): only that is listed; the directory need not exist.
+    assert token_labels_state(make_params(token_labels={"mode": "import", "import_dir": "/missing"})) == {
+        "mode": "unused"
+    }
 
 
 @pytest.mark.slow

@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -125,10 +127,10 @@ def test_repro_reruns_exactly_what_a_params_or_code_change_affects(project):
     assert project.repro() == {*ALWAYS, "pretrain", "finetune", *EVALUATIONS}
     assert project.metrics("pretrain")["val_top1"] >= 90.0
 
-    # Another teacher: new token labels, and both students rerun on them. Pre-training on the ground truth here,
-    # it trains the same weights bit for bit, so DVC leaves its evaluation cached.
+    # Another teacher: new token labels, and the student that learns from them reruns on them; pre-training on
+    # the ground truth here, pretrain does not (test_a_student_without_token_labels_never_waits_for_them).
     project.edit_params({"teacher": {"epochs": 4}})
-    assert project.repro() == {*ALWAYS, "teacher", "token_labels", "pretrain", *FINETUNED}
+    assert project.repro() == {*ALWAYS, "teacher", "token_labels", *FINETUNED}
     assert project.metrics("teacher")["val_top1"] >= 50.0  # chance is 10 %
 
     # An experiment with one knob changed, as a user runs it; it sees the same cache.
@@ -339,7 +341,8 @@ def kill_repro_when(project: Project, stage: str, ready: Callable[[], bool], pol
 
 
 def store_bytes(project: Project) -> dict[str, bytes]:
-    return {path.name: path.read_bytes() for path in sorted((project.path / "data/token_labels").iterdir())}
+    root = project.path / "data/token_labels"
+    return {path.relative_to(root).as_posix(): path.read_bytes() for path in sorted(root.rglob("*")) if path.is_file()}
 
 
 def test_killed_stages_resume_to_the_uninterrupted_result(project):
@@ -371,7 +374,9 @@ def test_killed_stages_resume_to_the_uninterrupted_result(project):
     history = (project.path / "metrics/pretrain/plots/metrics/val_top1.tsv").read_text().splitlines()[1:]
     assert [int(row.split("\t")[0]) for row in history] == list(range(EPOCHS_TO_KILL))
 
-    # The token labels again from scratch, killed after their first chunks.
+    # The token labels again from scratch (without the finished run the work dir keeps), killed after their first
+    # chunks.
+    shutil.rmtree(project.path / "data/token_labels_partial")
     markers = project.path / "data/token_labels_partial/done"
     kill_repro_when(
         project, "token_labels", lambda: markers.is_dir() and len(list(markers.iterdir())) >= 2, poll_seconds=0.01
@@ -384,6 +389,32 @@ def test_killed_stages_resume_to_the_uninterrupted_result(project):
     # The same bytes: DVC sees the same store and leaves pretrain and evaluate cached.
     assert ran_stages(output) == {"source", "token_labels"}
     assert store_bytes(project) == uninterrupted[2]
+
+
+def test_a_student_without_token_labels_never_waits_for_them(project):
+    """Pre-training on the ground truth (FAST): what it depends on of the token labels is an empty file of their
+    store, so another teacher reruns only what learns from the labels; with token labeling off everywhere, the
+    labels are an empty store, made without the teacher's forward. Up to pretrain, one epoch each: DVC's decisions
+    are the subject here, not the models."""
+    project.edit_params({"teacher": {"epochs": 1}, "pretrain": {"epochs": 1}})
+    assert project.repro("pretrain") == {"source", "convert", "teacher", "token_labels", "pretrain"}
+    assert (project.path / "data/token_labels/log_probs.npy").is_file()  # for finetune, which learns from them
+
+    project.edit_params({"teacher": {"epochs": 2}})
+    assert project.repro("pretrain") == {"source", "teacher", "token_labels"}
+
+    project.edit_params({"finetune": {"token_label": {"enabled": False}}})
+    output = project.run("dvc", "repro", "pretrain").stdout
+    assert ran_stages(output) == {"source", "token_labels"} and "no teacher forward" in output
+    assert store_bytes(project) == {"enabled/false": b""}
+    # Back on: the labels come back from the finished work token_labels keeps, not from another teacher forward.
+    project.edit_params({"finetune": {"token_label": {"enabled": True}}})
+    output = project.run("dvc", "repro", "pretrain").stdout
+    assert ran_stages(output) == {"source", "token_labels"} and re.search(r"resuming, (\d+) of \1 chunks done", output)
+
+    # Speed knobs rerun nothing.
+    project.edit_params({"loader": {"workers": 1, "prefetch": 3}, "data": {"convert_workers": 1}})
+    assert project.repro("pretrain") == {"source"}
 
 
 def test_a_queued_experiment_runs_its_own_code(project):

@@ -492,6 +492,11 @@ class Params(Section):
     evaluate: Evaluate = Evaluate()
     tracking: Tracking = Tracking()
 
+    @property
+    def token_labels_needed(self) -> bool:
+        """Whether a student learns from the token labels (pretrain or finetune .token_label.enabled)."""
+        return self.pretrain.token_label.enabled or self.finetune.token_label.enabled
+
     @model_validator(mode="after")
     def _image_sizes_fit_the_token_grid(self) -> Params:
         checks = [

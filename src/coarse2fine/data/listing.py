@@ -9,7 +9,8 @@ result, so an image added, removed or replaced reruns convert and what follows; 
 same bytes and leaves every stage cached. The teacher's weights file (teacher.mode import) is judged the same
 way, by its path, size and modification time, so replacing it reruns the teacher and what follows; and so is
 the directory of imported token labels (token_labels.mode import), every file listed like an image folder's, so
-a changed label set reruns token_labels and what follows.
+a changed label set reruns token_labels and what follows. When no student learns from token labels, their
+listing says so (mode "unused") and nothing else: token_labels reruns when that flips, and only then.
 Kept free of heavy imports (no torch): it runs on every repro.
 """
 
@@ -21,7 +22,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterator
 
-from coarse2fine.config import Data, Teacher, TokenLabels
+from coarse2fine.config import Data, Params, Teacher
 from coarse2fine.errors import UserError
 
 
@@ -46,7 +47,10 @@ def weights_state(teacher: Teacher) -> dict[str, Any]:
     return {"mode": "import", "path": str(path), "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns}
 
 
-def token_labels_state(token_labels: TokenLabels) -> dict[str, Any]:
+def token_labels_state(params: Params) -> dict[str, Any]:
+    token_labels = params.token_labels
+    if not params.token_labels_needed:
+        return {"mode": "unused"}
     if token_labels.mode == "generate":
         return {"mode": "generate"}
     root = Path(token_labels.import_dir)

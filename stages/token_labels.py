@@ -1,11 +1,11 @@
 """Token labels (params token_labels.*): the teacher's top-k dense scores for every train record, in data/token_labels.
 
 `token_labels.mode: generate` runs the teacher: ranks split the records; a killed run resumes from its last
-finished chunk (data/token_labels_partial, which also keeps a finished run: the same inputs again, say after token
-labeling was off everywhere, republish it without a forward); 1 or N ranks write the same bytes. `import` reads the reference's
-published label files instead (token_labels.import_dir; coarse2fine.labels.imported), no teacher forward. When
-no student learns from token labels (pretrain/finetune.token_label.enabled both false), an empty store: neither
-the teacher nor the records are read.
+finished chunk (data/token_labels_partial, which also keeps a finished run: the same inputs again, say after
+token labeling was off everywhere, republish it without a forward); 1 or N ranks write the same bytes. `import`
+reads the reference's published label files instead (token_labels.import_dir; coarse2fine.labels.imported), no
+teacher forward. When no student learns from token labels (pretrain/finetune.token_label.enabled both false), an
+empty store: neither the teacher nor the records are read.
 The store also holds what dvc.yaml's students depend on (`_write_student_deps`), so that a student with token
 labeling off is not rerun when the labels change.
 Metrics: the teacher's dense top-1 (spatially averaged map vs the label) and its cells' top-1, what the student

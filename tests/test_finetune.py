@@ -70,12 +70,15 @@ def test_fine_tuning_refuses_a_model_file_of_another_architecture(tmp_path):
 @pytest.mark.slow
 def test_pretrained_at_32_px_fine_tuned_at_48_keeps_its_accuracy(digits_records, tmp_path, monkeypatch, capsys):
     """Digits have one scale, so a resolution change costs much (measured: 88.9 % at 32 px, 43.5 % for the same
-    weights at 48 px); a short fine-tune (half the pre-training's epochs) wins it back within a point."""
+    weights at 48 px); a short fine-tune (as many epochs as the pre-training's, at a fifth of its LR) wins it back
+    within a point. Half as many epochs left the result to the sample order: within a point for one seed, 4-6
+    points short for others (measured over seeds 0-2 and two shuffle buffers); 8 epochs: 90.7 -> 91.7 % (seed 0),
+    88.0 -> 89.8 % (seed 2)."""
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     params = make_params(
         model={"patch_size": 4},
         pretrain={"img_size": 32, "epochs": 8, "batch_size": 32, "optimizer": {"lr_base": 0.032}},
-        finetune={"img_size": 48, "epochs": 4, "batch_size": 32, "optimizer": {"lr_base": 0.0064},
+        finetune={"img_size": 48, "epochs": 8, "batch_size": 32, "optimizer": {"lr_base": 0.0064},
                   "schedule": {"warmup_epochs": 0}, "token_label": {"enabled": False}},
         loader={"workers": 1},
     )

@@ -6,7 +6,7 @@ token labeling was off everywhere, republish it without a forward); 1 or N ranks
 reads the reference's published label files instead (token_labels.import_dir; coarse2fine.labels.imported), no
 teacher forward. When no student learns from token labels (pretrain/finetune.token_label.enabled both false), an
 empty store: neither the teacher nor the records are read.
-The store also holds what dvc.yaml's students depend on (`_write_student_deps`), so that a student with token
+The store also holds what dvc.yaml's students depend on (`store.write_student_deps`), so that a student with token
 labeling off is not rerun when the labels change.
 Metrics: the teacher's dense top-1 (spatially averaged map vs the label) and its cells' top-1, what the student
 will be taught against what the teacher said (entropy and top-1 of the whole-image target from the store vs the
@@ -40,7 +40,6 @@ from coarse2fine.tracking import Tracker, stage_params
 # source stage rewrites when that flips; listing the flags here would regenerate every label whenever one student
 # stops reading them while the other still does.
 PARAM_SECTIONS = ("token_labels", "augment.interpolation")
-STUDENT_DEPS_DIR = "enabled"  # in the store: what dvc.yaml's students depend on (_write_student_deps)
 
 
 def main(params: Params, args: argparse.Namespace) -> None:
@@ -50,13 +49,17 @@ def main(params: Params, args: argparse.Namespace) -> None:
             _write_unused_store(params, args, runtime)
             return
         classes = records.read_classes(args.records)
-        make_store = _importer(params, args, runtime) if cfg.mode == "import" else _generator(params, args, runtime, classes)
-        with Tracker("token_labels", params, runtime, metrics_dir=args.metrics, param_sections=PARAM_SECTIONS) as tracker:
+        if cfg.mode == "import":
+            make_store = _importer(params, args, runtime)
+        else:
+            make_store = _generator(params, args, runtime, classes)
+        tracking = Tracker("token_labels", params, runtime, metrics_dir=args.metrics, param_sections=PARAM_SECTIONS)
+        with tracking as tracker:
             tracker.log_records(args.records, "train")
             metrics = make_store().metrics()
             tracker.log_summary(metrics)
             if runtime.is_main:
-                _write_student_deps(Path(args.out), store_written=True)
+                store.write_student_deps(Path(args.out), store_written=True)
                 print(
                     f"token_labels: {metrics['images']} images, teacher dense top-1 {metrics['dense_top1']:.2f} % "
                     f"(cells {metrics['cell_top1']:.2f} %), entropy {metrics['teacher_entropy']:.3f} nats; the "
@@ -66,8 +69,9 @@ def main(params: Params, args: argparse.Namespace) -> None:
                     flush=True,
                 )
                 print(
-                    f"token_labels: {metrics['bytes_per_image']} bytes/image (ImageNet-1K: {metrics['imagenet_gb']:.2f} "
-                    f"GB, the reference's {REFERENCE_IMAGENET_BYTES / 1e9:.1f} GB), {metrics['img_per_s']:.0f} img/s",
+                    f"token_labels: {metrics['bytes_per_image']} bytes/image "
+                    f"(ImageNet-1K: {metrics['imagenet_gb']:.2f} GB, the reference's "
+                    f"{REFERENCE_IMAGENET_BYTES / 1e9:.1f} GB), {metrics['img_per_s']:.0f} img/s",
                     flush=True,
                 )
 
@@ -78,7 +82,7 @@ def _write_unused_store(params: Params, args: argparse.Namespace, runtime: Runti
     with Tracker("token_labels", params, runtime, metrics_dir=args.metrics, param_sections=PARAM_SECTIONS) as tracker:
         if runtime.is_main:
             shutil.rmtree(args.out, ignore_errors=True)
-            _write_student_deps(Path(args.out), store_written=False)
+            store.write_student_deps(Path(args.out), store_written=False)
             Path(args.work_dir).mkdir(parents=True, exist_ok=True)  # a dvc.yaml output; an earlier run's work stays
             print(
                 "token_labels: no student learns from token labels (pretrain/finetune.token_label.enabled): "
@@ -86,17 +90,6 @@ def _write_unused_store(params: Params, args: argparse.Namespace, runtime: Runti
                 flush=True,
             )
         tracker.log_summary({"images": 0})
-
-
-def _write_student_deps(store_dir: Path, *, store_written: bool) -> None:
-    """What dvc.yaml's students depend on: `<store>/enabled/${<student>.token_label.enabled}`, which DVC renders as
-    enabled/true or enabled/false. `true` holds the store's identity (its header's sha256), so it changes with the
-    labels; `false` is empty, so a student that does not read the labels is never rerun for them."""
-    deps = store_dir / STUDENT_DEPS_DIR
-    deps.mkdir(parents=True, exist_ok=True)
-    (deps / "false").write_bytes(b"")
-    if store_written:
-        (deps / "true").write_text(store.header_digest(store_dir) + "\n", encoding="utf-8")
 
 
 def _generator(
@@ -148,11 +141,13 @@ if __name__ == "__main__":
     parser = cli.stage_parser(__doc__.splitlines()[0])
     parser.add_argument("--records", default="data/records", help="records directory (default: data/records)")
     parser.add_argument(
-        "--teacher", default="models/teacher/model.pt", help="mode generate: the teacher (default: models/teacher/model.pt)"
+        "--teacher", default="models/teacher/model.pt",
+        help="mode generate: the teacher (default: models/teacher/model.pt)",
     )
     parser.add_argument("--out", default="data/token_labels", help="the label store (default: data/token_labels)")
     parser.add_argument(
-        "--work-dir", default="data/token_labels_partial", help="a run's resumable work (default: data/token_labels_partial)"
+        "--work-dir", default="data/token_labels_partial",
+        help="a run's resumable work (default: data/token_labels_partial)",
     )
     parser.add_argument("--metrics", default="metrics/token_labels", help="default: metrics/token_labels")
     cli.run(main, parser)

@@ -28,6 +28,7 @@ from coarse2fine.errors import UserError
 from coarse2fine.files import atomic_path
 
 HEADER_FILE, LOG_PROBS_FILE, CLASSES_FILE = "header.json", "log_probs.npy", "classes.npy"
+STUDENT_DEPS_DIR = "enabled"  # in a store: what dvc.yaml's students depend on (write_student_deps)
 
 
 def class_dtype(num_classes: int) -> np.dtype:
@@ -76,6 +77,18 @@ def header_digest(directory: str | Path) -> str:
         return hashlib.sha256((Path(directory) / HEADER_FILE).read_bytes()).hexdigest()
     except OSError as error:
         raise UserError(f"{directory}: not a readable token-label store ({error})") from None
+
+
+def write_student_deps(directory: str | Path, *, store_written: bool) -> None:
+    """What dvc.yaml's students depend on, inside the store: `<store>/enabled/${<student>.token_label.enabled}`,
+    which DVC renders as enabled/true or enabled/false. `true` holds the store's identity (its header's sha256), so
+    it changes with the labels; `false` is empty, so a student that does not read the labels is never rerun for
+    them. Without a store (no student reads token labels) only `false` is written."""
+    deps = Path(directory) / STUDENT_DEPS_DIR
+    deps.mkdir(parents=True, exist_ok=True)
+    (deps / "false").write_bytes(b"")
+    if store_written:
+        (deps / "true").write_text(header_digest(directory) + "\n", encoding="utf-8")
 
 
 def write_store(

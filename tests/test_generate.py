@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
-from conftest import cpu_runtime, make_params
+from conftest import DIGITS_PIPELINE, cpu_runtime, make_params, merge
 from PIL import Image
 
 from coarse2fine import models
@@ -315,7 +315,7 @@ def test_store_metrics_say_what_the_student_is_taught_against_what_the_teacher_s
 def run_token_labels_stage(tmp_path: Path, records_dir: Path, teacher_file: Path, nproc: int) -> Path:
     out = tmp_path / f"ranks{nproc}"
     out.mkdir()
-    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    params = merge(yaml.safe_load((ROOT / "params.yaml").read_text()), DIGITS_PIPELINE)
     params["token_labels"]["batch_size"] = 16
     (out / "params.yaml").write_text(yaml.safe_dump(params))
     command = [

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import cpu_runtime, make_params
+from conftest import DIGITS_PIPELINE, cpu_runtime, make_params, merge
 from torchvision.ops import roi_align
 
 from coarse2fine.config import ParamsError
@@ -226,7 +226,7 @@ def test_the_stage_imports_on_two_ranks_without_a_teacher(digits_records, refere
     split the shards, and the store is byte-identical to an import in one process."""
     import_dir, _ = reference_files
     run_import(digits_records, import_dir, tmp_path / "in_process")
-    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    params = merge(yaml.safe_load((ROOT / "params.yaml").read_text()), DIGITS_PIPELINE)
     params["token_labels"].update(mode="import", import_dir=str(import_dir))
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     command = [

@@ -1,9 +1,12 @@
 """Token labeling: the label store, the per-batch targets (window, flip, x/y order, smoothing), the loss with
-MixToken, and a real training run with token labels and MixToken on the digits records."""
+MixToken, a real training run with token labels and MixToken on the digits records, and the guard on real photos:
+a real teacher's targets and the students trained on them, against the ground truth and deliberately bad labels."""
 
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
+from typing import Callable, NamedTuple
 
 import numpy as np
 import pytest
@@ -11,6 +14,7 @@ import torch
 from conftest import cpu_runtime, make_params, train_val_loaders
 
 from coarse2fine import losses, models, train
+from coarse2fine.config import Params
 from coarse2fine.data import records
 from coarse2fine.errors import UserError
 from coarse2fine.labels.store import TokenLabelStore, write_store
@@ -390,47 +394,97 @@ def test_trainer_learns_digits_from_token_labels_with_mix_token(digits_records, 
 # ------------------------------------------------------------------------------------ guard, on real photos
 
 PHOTO_RECORDS = {"source": "photos", "photos": {"size": 32, "train_per_class": 24, "val_per_class": 8}, "convert_workers": 1}
+PHOTO_CLASSES = 18
+PHOTO_TOP_K = 3  # few of 18 classes kept: where the reference's zero fill flattens the targets most
+# Flat targets as the issue's students had them (their loss stayed near 3 nats, a uniform target's 2.9 for 18
+# classes): the teacher's logits divided by 4 give class targets of 2.7 nats.
+FLATTENING = 4.0
 
 
-def test_on_real_photos_the_targets_keep_the_teachers_confidence_and_flat_or_misaligned_ones_are_caught(tmp_path):
-    """A real teacher (resnet10t trained on 432 patches of the 18 photographs at 32 px), its real store, and the
-    real train loader's crops: the class targets the student gets are as sharp as the ones all C classes would
-    give and agree with the teacher's own prediction on each crop; the reference's construction of the same
-    labels (top-k logits, the others 0) is measurably flatter, and labels given to the wrong records (shifted by
-    one) disagree with the ground truth. The same statistics are the stages' metrics (target_entropy ...)."""
+class PhotoTeacher(NamedTuple):
+    records_dir: Path
+    params: Params
+    teacher: torch.nn.Module
+    head: Callable
+    top1: float
+    # "store" (ours), "reference" (its zero fill), "flattened" (ours, the logits / FLATTENING), "shifted" (ours, one
+    # record off)
+    stores: dict[str, Path]
+
+
+@pytest.fixture(scope="module")
+def photo_teacher(tmp_path_factory) -> PhotoTeacher:
+    """A real teacher (the default resnet10t, output stride 8: a 4 x 4 map at 32 px) trained on 432 patches of the
+    18 photographs at 32 px, its real store, and three stores made wrong on purpose from the same teacher: the
+    reference's construction (its top-k raw logits, every other class a logit of 0, TokenLabeling's
+    get_featuremaps), ours from logits flattened by a temperature, and ours given to the wrong records (shifted
+    by one)."""
     from coarse2fine.data.convert import convert
     from coarse2fine.labels.generate import TrainRecords, View, dense_head, generate
 
-    records_dir = tmp_path / "records"
+    root = tmp_path_factory.mktemp("photo_teacher")
+    records_dir = root / "records"
     convert(make_params(data=PHOTO_RECORDS), cpu_runtime(), records_dir)
-    train_count = records.read_manifest(records_dir)["splits"]["train"]["images"]
-    params = make_params(data=PHOTO_RECORDS, teacher={"epochs": 12, "batch_size": 32}, loader={"workers": 1})
+    params = make_params(data=PHOTO_RECORDS, teacher={"epochs": 20, "batch_size": 32, "optimizer": {"lr_base": 0.16}}, loader={"workers": 1})
     runtime = cpu_runtime()
     loaders = train_val_loaders(records_dir, params, runtime, batch_size=32)
     train.seed_everything(0, runtime)
-    teacher = models.build_model(params.teacher.model, 18, 32)
-    teacher_top1 = train.Trainer(
+    teacher = models.build_model(params.teacher.model, PHOTO_CLASSES, 32)
+    top1 = train.Trainer(
         stage="teacher", params=params, cfg=params.teacher, model=teacher, classes=records.read_classes(records_dir),
         model_cfg=params.teacher.model, train_loader=loaders[0], val_loader=loaders[1], runtime=runtime,
-        param_sections=("teacher",), provenance={}, checkpoint_dir=tmp_path / "ckpt", model_file=tmp_path / "teacher.pt",
-        metrics_dir=tmp_path / "metrics",
+        param_sections=("teacher",), provenance={}, checkpoint_dir=root / "ckpt", model_file=root / "teacher.pt",
+        metrics_dir=root / "metrics",
     ).fit()["val_top1"]
     teacher.eval()
     head = dense_head(teacher)
+    stores = {name: root / name for name in ("store", "reference", "flattened", "shifted")}
     generate(
-        head, records_dir, out_dir=tmp_path / "labels", work_dir=tmp_path / "labels_partial",
-        view=View("whole", 32, "bicubic"), top_k=3, batch_size=64, workers=0, runtime=runtime,
+        head, records_dir, out_dir=stores["store"], work_dir=root / "labels_partial",
+        view=View("whole", 32, "bicubic"), top_k=PHOTO_TOP_K, batch_size=64, workers=0, runtime=runtime,
         autocast_dtype=None, inputs={}, header={},
     )
-    good = TokenLabelStore(tmp_path / "labels", records=train_count, num_classes=18)
-    shifted_dir = tmp_path / "shifted"
-    write_store(shifted_dir, np.roll(good.log_probs, 1, axis=0), np.roll(good.classes, 1, axis=0), num_classes=18)
-    shifted = TokenLabelStore(shifted_dir, records=train_count, num_classes=18)
+    good = TokenLabelStore(stores["store"], records=len(TrainRecords(records_dir, View("whole", 32, "bicubic"))),
+                           num_classes=PHOTO_CLASSES)
+    write_store(stores["shifted"], np.roll(good.log_probs, 1, axis=0), np.roll(good.classes, 1, axis=0),
+                num_classes=PHOTO_CLASSES)
     whole = TrainRecords(records_dir, View("whole", 32, "bicubic"))
     mean, std = (torch.tensor(value).view(1, 3, 1, 1) * 255 for value in (IMAGE_MEAN, IMAGE_STD))
-    every_class = torch.arange(18).view(1, 18, 1, 1)
+    with torch.inference_mode():
+        logits = torch.cat([
+            head((torch.stack([whole[position][0] for position in chunk]).float() - mean) / std)
+            for chunk in torch.arange(len(whole)).split(64)
+        ])
+    order = torch.tensor([whole[position][2] for position in range(len(whole))]).argsort()  # by record index
+    values, classes = logits[order].topk(PHOTO_TOP_K, dim=1)
+    zero_filled = torch.zeros_like(logits).scatter_(1, classes, values)
+    write_store(stores["reference"], zero_filled.log_softmax(1).gather(1, classes).half().numpy(), classes.numpy(),
+                num_classes=PHOTO_CLASSES)
+    flat = (logits[order] / FLATTENING).log_softmax(1).gather(1, classes)
+    write_store(stores["flattened"], flat.half().numpy(), classes.numpy(), num_classes=PHOTO_CLASSES)
+    return PhotoTeacher(records_dir, params, teacher, head, top1, stores)
 
-    constructions = ("store", "every class", "reference", "shifted")
+
+def test_on_real_photos_the_targets_keep_the_teachers_confidence_and_flat_or_misaligned_ones_are_caught(photo_teacher):
+    """The real store and the real train loader's crops: the class targets the student gets are as sharp as the
+    ones all C classes would give and agree with the teacher's own prediction on each crop; the reference's
+    construction of the same labels (top-k logits, the others 0) and targets from flattened logits are measurably
+    flatter, and labels given to the wrong records (shifted by one) disagree with the ground truth. The same statistics are the stages' metrics
+    (target_entropy ...)."""
+    from coarse2fine.labels.generate import TrainRecords, View
+
+    records_dir, params, teacher, head = photo_teacher[:4]
+    stores = {
+        name: TokenLabelStore(path, records=records.read_manifest(records_dir)["splits"]["train"]["images"],
+                              num_classes=PHOTO_CLASSES)
+        for name, path in photo_teacher.stores.items()
+    }
+    loaders = train_val_loaders(records_dir, params, cpu_runtime(), batch_size=32)
+    whole = TrainRecords(records_dir, View("whole", 32, "bicubic"))
+    mean, std = (torch.tensor(value).view(1, 3, 1, 1) * 255 for value in (IMAGE_MEAN, IMAGE_STD))
+    every_class = torch.arange(PHOTO_CLASSES).view(1, PHOTO_CLASSES, 1, 1)
+
+    constructions = (*stores, "every class")
     stats = {name: {"entropy": [], "hits": [], "kl": []} for name in constructions}
     with torch.inference_mode():
         for batch in loaders[0]:
@@ -439,23 +493,19 @@ def test_on_real_photos_the_targets_keep_the_teachers_confidence_and_flat_or_mis
             on_crop = teacher(batch["image"]).softmax(-1)  # the crop at 32 px: the teacher's own input size
 
             def class_target(log_probs, classes):
-                return token_targets(log_probs, classes, *crop, num_classes=18, token_grid=4, smoothing=0.0).cls
+                return token_targets(
+                    log_probs, classes, *crop, num_classes=PHOTO_CLASSES, token_grid=4, smoothing=0.0
+                ).cls
 
-            values, classes = logits.topk(3, dim=1)
-            zero_filled = torch.zeros_like(logits).scatter_(1, classes, values)  # the reference's dense map
-            targets = {
-                "store": class_target(*good.lookup(batch["index"])),
-                "every class": class_target(logits.log_softmax(1), every_class.expand_as(logits)),
-                "reference": class_target(zero_filled.log_softmax(1), every_class.expand_as(logits)),
-                "shifted": class_target(*shifted.lookup(batch["index"])),
-            }
+            targets = {name: class_target(*store.lookup(batch["index"])) for name, store in stores.items()}
+            targets["every class"] = class_target(logits.log_softmax(1), every_class.expand_as(logits))
             for name, target in targets.items():
                 stats[name]["entropy"].append(entropy(target))
                 stats[name]["hits"].append((target.argmax(-1) == batch["label"]).float())
                 stats[name]["kl"].append((on_crop * (on_crop.log() - target.log())).sum(-1))
     means = {name: {key: float(torch.cat(values).mean()) for key, values in stat.items()} for name, stat in stats.items()}
-    print(f"teacher val top-1 {teacher_top1:.1f} %, {means}")
-    assert teacher_top1 >= 60  # a teacher worth learning from (chance is 5.6 %)
+    print(f"teacher val top-1 {photo_teacher.top1:.1f} %, {means}")
+    assert photo_teacher.top1 >= 60  # a teacher worth learning from (chance is 5.6 %)
 
     def faithful(name):
         """As sharp as the teacher's map over all 18 classes (top-3 kept) and right on the crops it labels."""
@@ -463,5 +513,44 @@ def test_on_real_photos_the_targets_keep_the_teachers_confidence_and_flat_or_mis
 
     assert faithful("store")
     assert not faithful("reference")  # the reference's zero fill: flatter targets
+    assert not faithful("flattened")
     assert not faithful("shifted")  # labels given to the wrong records
     assert means["store"]["kl"] < means["reference"]["kl"]  # closer to what the teacher says of the crop itself
+
+
+@pytest.mark.slow
+def test_on_real_photos_a_student_learns_as_well_from_token_labels_as_from_labels_and_not_from_misaligned_ones(photo_teacher):
+    """The same student, epochs and data, trained on the ground truth and on token labels: from the good teacher
+    they must at least match the ground truth (measured 76.4 vs 72.2 %), given to the wrong records they must not
+    (4.2 %). Flatness is guarded by the targets test above, not here: with their order kept, targets flattened to
+    2.7 nats trained this student to 75.7 % (AdamW rescales the smaller gradients), and the reference's zero fill to
+    74.3 % with a weaker teacher. MixToken is off: it regularises, which pays at the recipe's length (the README's
+    ablation: +5.2 points at 60 + 10 epochs) and costs at 16 epochs (measured -4 to -7 points)."""
+    records_dir, params = photo_teacher.records_dir, photo_teacher.params
+    train_count = records.read_manifest(records_dir)["splits"]["train"]["images"]
+    runtime = cpu_runtime()
+
+    def student_top1(store: str | None) -> float:
+        params_run = make_params(data=PHOTO_RECORDS, loader={"workers": 1}, pretrain={
+            "img_size": 32, "epochs": 16, "batch_size": 32, "token_label": {"enabled": store is not None},
+        })
+        labels = None if store is None else TokenLabelStore(
+            photo_teacher.stores[store], records=train_count, num_classes=PHOTO_CLASSES
+        )
+        loaders = train_val_loaders(records_dir, params_run, runtime, batch_size=32, token_labels=labels)
+        train.seed_everything(params_run.seed, runtime)
+        model = models.build_model(params_run.model, PHOTO_CLASSES, 32)
+        run_dir = photo_teacher.records_dir.parent / f"student_{store}"
+        return train.Trainer(
+            stage="pretrain", params=params_run, cfg=params_run.pretrain, model=model,
+            classes=records.read_classes(records_dir), train_loader=loaders[0], val_loader=loaders[1],
+            runtime=runtime, param_sections=("pretrain",), provenance={}, checkpoint_dir=run_dir / "ckpt",
+            model_file=run_dir / "model.pt", metrics_dir=run_dir / "metrics",
+            objective=None if labels is None else losses.TokenLabelObjective.from_params(PHOTO_CLASSES, params_run.pretrain),
+        ).fit()["val_top1"]
+
+    top1 = {store: student_top1(store) for store in (None, "store", "shifted")}
+    print(f"teacher {photo_teacher.top1:.1f} %, students {top1}")
+    # One val image is 0.69 points: "match" allows two images.
+    assert top1["store"] >= top1[None] - 1.5
+    assert top1["shifted"] <= top1[None] - 30

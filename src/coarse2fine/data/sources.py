@@ -1,6 +1,6 @@
 """Where the images come from: an ImageNet-style folder tree, or one written out from images a package ships:
-scikit-learn's digits (the fast default, which saturates near 99 %) or patches of scikit-image's photographs
-(`photos`: hard enough that recipe features show their effect, see `write_photos`).
+patches of scikit-image's photographs (`photos`, the default: hard enough that recipe features show their
+effect, see `write_photos`) or scikit-learn's digits (fast, the tests' set, but saturating near 99 %).
 
 Each becomes a `Source`: per split, the sorted candidate image files with their labels (after `data.subset`),
 the files skipped while listing (with the reason, for the manifest), and a description of the origin.

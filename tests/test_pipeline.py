@@ -501,6 +501,9 @@ def test_a_queued_sweep_pays_only_for_the_stages_its_param_reaches(project):
         assert stage_runs(project, pipelines[name]) == {stage: True for stage in SHARED} | {
             stage: False for stage in FROM_PRETRAIN - {"compare"}
         }
+        for stage in SHARED:  # linked to the baseline's run that made the outputs, not to the other point's link
+            made = project.mlflow().get_run(stage_run(project, pipelines[name], stage).data.tags["cached_from"])
+            assert made.data.tags["mlflow.parentRunId"] == pipelines[None].info.run_id, (name, stage)
 
     # Each point again in the workspace, computed anew (--no-run-cache: the experiments' runs are in the run cache).
     for result in results.values():

@@ -275,6 +275,13 @@ def test_lineage_links_each_cached_stage_to_the_run_that_made_its_outputs(workdi
     ]
     assert client(store).get_run(rerun.pipeline_run_id).info.status == "FINISHED"
 
+    # A third pipeline with the same teacher outputs (a sweep's next point) links to the run that made them, not to
+    # the second pipeline's link, although that link is the newest run tagged with those outputs.
+    third_params = params_for(request, seed=2)
+    open_and_close(request, "pretrain", third_params, workdir)
+    lines = record_lineage(third_params, lock_with({"teacher": "a" * 32, "pretrain": "e" * 32, "source": "c" * 32}))
+    assert lines == [f"teacher: cached, made by run {made['teacher'].run_id} (pipeline run {made['teacher'].pipeline_run_id})"]
+
 
 def test_a_training_run_holds_its_datasets_curves_and_model_and_the_result_is_registered(
     workdir, store, request, digits_records

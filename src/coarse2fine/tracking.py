@@ -678,7 +678,10 @@ def _link_stages(
         producers = client.search_runs([experiment_id], query, order_by=["attributes.start_time DESC"], max_results=1)
         if not producers:
             continue  # its stage has no run (plain-python stages), or ran before lineage was recorded
-        producer = made_by[stage] = producers[0]
+        producer = producers[0]
+        if CACHED_FROM_TAG in producer.data.tags:  # another pipeline's link to these outputs: link to their maker
+            producer = client.get_run(producer.data.tags[CACHED_FROM_TAG])
+        made_by[stage] = producer
         source = {key: producer.data.tags[key] for key in SOURCE_TAGS if key in producer.data.tags}
         link = client.create_run(
             experiment_id, run_name=f"{stage} (cached)",

@@ -444,11 +444,10 @@ def photo_teacher(tmp_path_factory) -> PhotoTeacher:
         view=View("whole", 32, "bicubic"), top_k=PHOTO_TOP_K, batch_size=64, workers=0, runtime=runtime,
         autocast_dtype=None, inputs={}, header={},
     )
-    good = TokenLabelStore(stores["store"], records=len(TrainRecords(records_dir, View("whole", 32, "bicubic"))),
-                           num_classes=PHOTO_CLASSES)
+    whole = TrainRecords(records_dir, View("whole", 32, "bicubic"))
+    good = TokenLabelStore(stores["store"], records=len(whole), num_classes=PHOTO_CLASSES)
     write_store(stores["shifted"], np.roll(good.log_probs, 1, axis=0), np.roll(good.classes, 1, axis=0),
                 num_classes=PHOTO_CLASSES)
-    whole = TrainRecords(records_dir, View("whole", 32, "bicubic"))
     mean, std = (torch.tensor(value).view(1, 3, 1, 1) * 255 for value in (IMAGE_MEAN, IMAGE_STD))
     with torch.inference_mode():
         logits = torch.cat([

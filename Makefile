@@ -61,15 +61,18 @@ docs/node_modules/.playwright: docs/package-lock.json
 	touch $@
 
 # A small sweep, the tuning workflow: pre-training's learning rate at three values on a fifth of the data, queued
-# as DVC experiments, run one at a time, then listed with the swept params and both evaluations' top-1. Each is
-# also a pipeline run in MLflow named after its experiment. Another grid, e.g.:
+# as DVC experiments, run SWEEP_JOBS at a time, then listed with the swept params and both evaluations' top-1. Each
+# reruns only the stages its change reaches (the rest come from DVC's cache) and is also a pipeline run in MLflow
+# named after its experiment. Another grid, e.g.:
 #   make sweep SWEEP="-S data.subset=0.2 -S 'finetune.optimizer.lr_base=3.2e-3,6.4e-3'" SWEEP_COLUMNS='finetune.optimizer.lr_base'
 SWEEP ?= -S data.subset=0.2 -S 'pretrain.optimizer.lr_base=8e-3,1.6e-2,3.2e-2'
 SWEEP_COLUMNS ?= data.subset|pretrain.optimizer.lr_base
+# 1: the first point makes the records, teacher and token labels of the new subset, the others restore them.
+SWEEP_JOBS ?= 1
 
 sweep: setup
 	$(BIN)/dvc exp run --queue $(SWEEP)
-	$(BIN)/dvc exp run --run-all --jobs 1
+	$(BIN)/dvc exp run --run-all --jobs $(SWEEP_JOBS)
 	$(BIN)/dvc exp show --md --drop '.*' --keep 'Experiment|$(SWEEP_COLUMNS)|metrics/evaluate/.*:top1$$'
 
 # The MLflow UI of ./mlflow.db on loopback. MLflow 3.17's UI starts on its GenAI view unless the address (or its

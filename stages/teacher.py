@@ -36,7 +36,6 @@ def main(params: Params, args: argparse.Namespace) -> None:
         model = models.build_model(cfg.model, num_classes=len(classes), img_size=cfg.img_size)
         model_file = Path(args.out) / "model.pt"
         if cfg.mode == "import":
-            Path(args.checkpoint_dir).mkdir(parents=True, exist_ok=True)  # a DVC output either way; nothing to resume
             import_teacher(params, model, classes, args.records, loaders["val"], runtime, model_file, Path(args.metrics))
             return
         train.Trainer(
@@ -80,7 +79,7 @@ if __name__ == "__main__":
     parser = cli.stage_parser(__doc__.splitlines()[0])
     parser.add_argument("--records", default="data/records", help="records directory (default: data/records)")
     parser.add_argument(
-        "--checkpoint-dir", default="models/teacher_ckpt", help="resumable checkpoint (default: models/teacher_ckpt)"
+        "--checkpoint-dir", default=".resume/teacher", help="resume state (default: .resume/teacher)"
     )
     parser.add_argument("--out", default="models/teacher", help="teacher model directory (default: models/teacher)")
     parser.add_argument("--metrics", default="metrics/teacher", help="metrics directory (default: metrics/teacher)")

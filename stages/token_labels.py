@@ -1,8 +1,9 @@
 """Token labels (params token_labels.*): the teacher's top-k dense scores for every train record, in data/token_labels.
 
 `token_labels.mode: generate` runs the teacher: ranks split the records; a killed run resumes from its last
-finished chunk (data/token_labels_partial, which also keeps a finished run: the same inputs again, say after
-token labeling was off everywhere, republish it without a forward); 1 or N ranks write the same bytes. `import`
+finished chunk (the work dir, .resume/token_labels under dvc.yaml: resume state, not an output, so that DVC's run
+cache can restore a finished store, e.g. after token labeling was off everywhere and back on, without a teacher
+forward); 1 or N ranks write the same bytes. `import`
 reads the reference's published label files instead (token_labels.import_dir; coarse2fine.labels.imported), no
 teacher forward. When no student learns from token labels (pretrain/finetune.token_label.enabled both false), an
 empty store: neither the teacher nor the records are read.
@@ -83,7 +84,6 @@ def _write_unused_store(params: Params, args: argparse.Namespace, runtime: Runti
         if runtime.is_main:
             shutil.rmtree(args.out, ignore_errors=True)
             store.write_student_deps(Path(args.out), store_written=False)
-            Path(args.work_dir).mkdir(parents=True, exist_ok=True)  # a dvc.yaml output; an earlier run's work stays
             print(
                 "token_labels: no student learns from token labels (pretrain/finetune.token_label.enabled): "
                 "an empty store, no teacher forward",
@@ -126,7 +126,6 @@ def _importer(params: Params, args: argparse.Namespace, runtime: Runtime) -> Cal
     """The reference's label files read into the store (mode import); the teacher is not loaded."""
     cfg = params.token_labels
     runtime.announce("token_labels (import)")
-    Path(args.work_dir).mkdir(parents=True, exist_ok=True)  # a dvc.yaml output; only generate resumes from it
     header = {
         "teacher": {"imported_from": cfg.import_dir, "view": REFERENCE_VIEW},
         "records_digest": records.manifest_digest(args.records),
@@ -146,8 +145,8 @@ if __name__ == "__main__":
     )
     parser.add_argument("--out", default="data/token_labels", help="the label store (default: data/token_labels)")
     parser.add_argument(
-        "--work-dir", default="data/token_labels_partial",
-        help="a run's resumable work (default: data/token_labels_partial)",
+        "--work-dir", default=".resume/token_labels",
+        help="a killed run's finished chunks, deleted once the store is written (default: .resume/token_labels)",
     )
     parser.add_argument("--metrics", default="metrics/token_labels", help="default: metrics/token_labels")
     cli.run(main, parser)

@@ -167,8 +167,13 @@ class Project:
         self.run("git", "init", "-q")
         self.commit("init")
 
-    def run(self, *args: str, check: bool = True, timeout: float = 900) -> subprocess.CompletedProcess:
-        result = subprocess.run(args, cwd=self.path, env=self.env, capture_output=True, text=True, timeout=timeout)
+    def run(
+        self, *args: str, check: bool = True, timeout: float = 900, env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess:
+        """`args` in the copy, with `env` (default: the copy's environment, self.env)."""
+        result = subprocess.run(
+            args, cwd=self.path, env=self.env if env is None else env, capture_output=True, text=True, timeout=timeout
+        )
         if check and result.returncode:
             raise AssertionError(f"{' '.join(args)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
         return result

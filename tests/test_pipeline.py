@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import shutil
 import signal
 import socket
@@ -54,6 +53,7 @@ FINETUNED = {"finetune", "evaluate@finetune", "compare"}
 COARSE_TARGET = "evaluate@pretrain"
 UP_TO_COARSE = EVERY_STAGE - FINETUNED - {"lineage"}
 EPOCHS_TO_KILL = 4
+RESUME = ".resume"  # where dvc.yaml has a killed stage keep what it resumes from
 # A behaviour change in a module pretrain and the teacher import (not their scripts): the ground-truth objective
 # stops learning.
 NO_LEARNING = (
@@ -140,8 +140,8 @@ def test_repro_reruns_exactly_what_a_params_or_code_change_affects(project):
     # compare reruns only if an evaluation's metrics file changed (the counts do not depend on the batch size).
     assert {*ALWAYS, "evaluate@pretrain", "evaluate@finetune"} <= ran_stages(output) <= {*ALWAYS, *EVALUATIONS}
 
-    # A behaviour change in a module the training stages import: models/*_ckpt survive reruns (persist) and
-    # hold the last epoch under the same params, but a checkpoint written by other code must not be resumed.
+    # A behaviour change in a module the training stages import reruns them under the new code (a checkpoint
+    # written by other code is never resumed: tests/test_train.py), and no cached result of the old code is restored.
     # (Up to the coarse model's evaluation: the fine-tune stage imports the same modules.)
     project.edit_code(*NO_LEARNING)
     assert project.repro(COARSE_TARGET) == UP_TO_COARSE - {"convert"}
@@ -354,42 +354,46 @@ def test_killed_stages_resume_to_the_uninterrupted_result(project):
         TOKEN_LABELS,
     ))
     assert project.repro(COARSE_TARGET) == UP_TO_COARSE
-    checkpoint = project.path / "models/pretrain_ckpt/last.pt"
-    assert "token_labels_digest" in torch.load(checkpoint, weights_only=True)["inputs"]
+    # Finished stages leave no resume state: their results are DVC's to keep.
+    assert list((project.path / RESUME).rglob("*")) == []
     uninterrupted = pretrained_weights(project), model_hash(project), store_bytes(project)
 
     # The same pretrain again from scratch, killed after its first epochs.
-    checkpoint.unlink()
+    checkpoint = project.path / RESUME / "pretrain/last.pt"
     kill_repro_when(
         project, "pretrain", lambda: checkpoint.exists() and torch.load(checkpoint, weights_only=True)["epoch"] >= 2
     )
-    killed_at = torch.load(checkpoint, weights_only=True)["epoch"]
-    assert killed_at < EPOCHS_TO_KILL
+    killed = torch.load(checkpoint, weights_only=True)
+    killed_at = killed["epoch"]
+    assert killed_at < EPOCHS_TO_KILL and "token_labels_digest" in killed["inputs"]
 
-    output = project.run("dvc", "repro", COARSE_TARGET).stdout
+    # DVC's run cache holds the uninterrupted run of these very inputs and would restore it: --no-run-cache makes
+    # DVC run the stage, as it does for inputs no run has finished.
+    output = project.run("dvc", "repro", "--no-run-cache", COARSE_TARGET).stdout
     assert f"resumed from epoch {killed_at}" in output, output
     # Bit-identical weights: the model file hashes the same, so DVC leaves evaluate cached.
     assert ran_stages(output) == {"source", "pretrain"}
     torch.testing.assert_close(pretrained_weights(project), uninterrupted[0], rtol=0, atol=0)
     assert model_hash(project) == uninterrupted[1]
+    # The curves continue: DVC deleted the metrics files before the rerun, the checkpoint brought their history back.
     history = (project.path / "metrics/pretrain/plots/metrics/val_top1.tsv").read_text().splitlines()[1:]
     assert [int(row.split("\t")[0]) for row in history] == list(range(EPOCHS_TO_KILL))
+    assert not checkpoint.exists()
 
-    # The token labels again from scratch (without the finished run the work dir keeps), killed after their first
-    # chunks.
-    shutil.rmtree(project.path / "data/token_labels_partial")
-    markers = project.path / "data/token_labels_partial/done"
+    # The token labels again from scratch, killed after their first chunks.
+    markers = project.path / RESUME / "token_labels/done"
     kill_repro_when(
         project, "token_labels", lambda: markers.is_dir() and len(list(markers.iterdir())) >= 2, poll_seconds=0.01
     )
     done = len(list(markers.iterdir()))
     assert 2 <= done < 28 and not (project.path / "data/token_labels").exists()  # 434 records: 28 chunks
 
-    output = project.run("dvc", "repro", COARSE_TARGET).stdout
+    output = project.run("dvc", "repro", "--no-run-cache", COARSE_TARGET).stdout
     assert f"resuming, {done} of 28 chunks done" in output, output
     # The same bytes: DVC sees the same store and leaves pretrain and evaluate cached.
     assert ran_stages(output) == {"source", "token_labels"}
     assert store_bytes(project) == uninterrupted[2]
+    assert not markers.parent.exists()
 
 
 def test_a_student_without_token_labels_never_waits_for_them(project):
@@ -403,15 +407,17 @@ def test_a_student_without_token_labels_never_waits_for_them(project):
 
     project.edit_params({"teacher": {"epochs": 2}})
     assert project.repro("pretrain") == {"source", "teacher", "token_labels"}
+    labels = store_bytes(project)
 
     project.edit_params({"finetune": {"token_label": {"enabled": False}}})
     output = project.run("dvc", "repro", "pretrain").stdout
     assert ran_stages(output) == {"source", "token_labels"} and "no teacher forward" in output
     assert store_bytes(project) == {"enabled/false": b""}
-    # Back on: the labels come back from the finished work token_labels keeps, not from another teacher forward.
+    # Back on: DVC's run cache restores the labels made from these inputs before, without running the stage.
     project.edit_params({"finetune": {"token_label": {"enabled": True}}})
     output = project.run("dvc", "repro", "pretrain").stdout
-    assert ran_stages(output) == {"source", "token_labels"} and re.search(r"resuming, (\d+) of \1 chunks done", output)
+    assert ran_stages(output) == {"source"} and "Stage 'token_labels' is cached - skipping run" in output
+    assert store_bytes(project) == labels
 
     # Speed knobs rerun nothing.
     project.edit_params({"loader": {"workers": 1, "prefetch": 3}, "data": {"convert_workers": 1}})
@@ -442,6 +448,86 @@ def test_a_queued_experiment_runs_its_own_code(project):
     results = experiments["sentinel"]["revs"][0]["data"]["metrics"]
     assert results["metrics/evaluate/pretrain/metrics.json"]["data"]["top1"] == -1.0
     assert project.metrics("evaluate/pretrain")["top1"] == reported  # the workspace is untouched
+
+
+# Sweeps: short students (what is trained does not matter, which stages run and what they report does).
+SWEEP_EPOCHS = {"pretrain": {"epochs": 3}, "finetune": {"epochs": 1}}
+SHARED = ("convert", "teacher", "token_labels")  # a pretrain.* sweep must restore these, not run them
+FROM_PRETRAIN = {"pretrain", "evaluate@pretrain", *FINETUNED}
+
+
+def without_tracking_uri(project: Project) -> dict[str, str]:
+    """The project's environment as a user's shell has it: MLflow's store found by the stages' default."""
+    return {name: value for name, value in project.env.items() if name != "MLFLOW_TRACKING_URI"}
+
+
+def experiment_results(project: Project) -> dict[str, dict]:
+    """name -> the experiment's params.yaml and metrics, as `dvc exp show` has them."""
+    shown = json.loads(project.run("dvc", "exp", "show", "--json").stdout)
+    return {
+        experiment["name"]: {
+            "params": experiment["revs"][0]["data"]["params"]["params.yaml"]["data"],
+            "metrics": {path: entry["data"] for path, entry in experiment["revs"][0]["data"]["metrics"].items()},
+        }
+        for baseline in shown for experiment in baseline.get("experiments") or []
+    }
+
+
+def restored_not_run(log: str, stage: str) -> bool:
+    """DVC's log says the stage's outputs came from its cache: unchanged against the baseline, or a run-cache hit."""
+    return f"Stage '{stage}' didn't change, skipping" in log or f"Stage '{stage}' is cached - skipping run" in log
+
+
+def test_a_queued_sweep_pays_only_for_the_stages_its_param_reaches(project):
+    """`make sweep`'s workflow on pretrain.optimizer.lr_base, two points run side by side (--jobs 2: one MLflow
+    store, one DVC cache): each experiment restores convert, the teacher and the token labels from the cache and
+    runs pretrain and what follows; each reaches the top-1 the same point reaches in the workspace; its MLflow
+    pipeline run (in the project's store, though the experiment ran in a temporary copy) links the cached stages."""
+    project.edit_params(SWEEP_EPOCHS)
+    assert project.repro() == EVERY_STAGE
+    project.commit("baseline")
+    env = without_tracking_uri(project)
+    project.run("dvc", "exp", "run", "--queue", "-S", "pretrain.optimizer.lr_base=0.016,0.064", env=env)
+    project.run("dvc", "exp", "run", "--run-all", "--jobs", "2", env=env)
+
+    results = experiment_results(project)
+    assert sorted(result["params"]["pretrain"]["optimizer"]["lr_base"] for result in results.values()) == [0.016, 0.064]
+    pipelines = {run.data.tags.get("dvc.experiment"): run for run in pipeline_runs(project)}
+    for name, result in results.items():
+        log = project.run("dvc", "queue", "logs", name).stdout
+        assert ran_stages(log) == {*ALWAYS, *FROM_PRETRAIN}, log
+        assert all(restored_not_run(log, stage) for stage in SHARED), log
+        assert "is not usable" not in log, log  # MLflow's store took both experiments' writes
+        assert stage_runs(project, pipelines[name]) == {stage: True for stage in SHARED} | {
+            stage: False for stage in FROM_PRETRAIN - {"compare"}
+        }
+        for stage in SHARED:  # linked to the baseline's run that made the outputs, not to the other point's link
+            made = project.mlflow().get_run(stage_run(project, pipelines[name], stage).data.tags["cached_from"])
+            assert made.data.tags["mlflow.parentRunId"] == pipelines[None].info.run_id, (name, stage)
+
+    # Each point again in the workspace, computed anew (--no-run-cache: the experiments' runs are in the run cache).
+    for result in results.values():
+        project.edit_params({"pretrain": {"optimizer": {"lr_base": result["params"]["pretrain"]["optimizer"]["lr_base"]}}})
+        assert ran_stages(project.run("dvc", "repro", "--no-run-cache").stdout) == {*ALWAYS, *FROM_PRETRAIN}
+        for model in ("pretrain", "finetune"):
+            path = f"metrics/evaluate/{model}/metrics.json"
+            assert result["metrics"][path]["top1"] == project.metrics(f"evaluate/{model}")["top1"], (model, result)
+
+
+def test_a_queued_sweep_of_a_teacher_param_reruns_the_teacher_and_its_labels(project):
+    """Up to the coarse model: the teacher and its token labels rerun in each point, the records are restored, and
+    pretrain (on the ground truth here, FAST) stays cached: it does not learn from the labels."""
+    assert project.repro(COARSE_TARGET) == UP_TO_COARSE
+    project.commit("baseline")
+    project.run("dvc", "exp", "run", "--queue", "-S", "teacher.epochs=1,2", COARSE_TARGET)
+    project.run("dvc", "exp", "run", "--run-all", "--jobs", "1")
+
+    results = experiment_results(project)
+    assert sorted(result["params"]["teacher"]["epochs"] for result in results.values()) == [1, 2]
+    for name in results:
+        log = project.run("dvc", "queue", "logs", name).stdout
+        assert ran_stages(log) == {"source", "teacher", "token_labels"}, log
+        assert all(restored_not_run(log, stage) for stage in ("convert", "pretrain", "evaluate@pretrain")), log
 
 
 def write_image_tree(root: Path) -> None:

@@ -6,6 +6,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import sqlite3
 import subprocess
@@ -158,9 +159,11 @@ def test_resume_continues_the_same_run_and_history(workdir, store, request):
             raise RuntimeError("killed")
     assert client(store).get_run(first.run_id).info.status == "FAILED"
 
+    shutil.rmtree(metrics_dir)  # DVC deletes a stage's outputs before running it again
     with Tracker(
         "pretrain", params, cpu_runtime(), metrics_dir=metrics_dir, param_sections=PRETRAIN_SECTIONS, resume_run_id=first.run_id
     ) as resumed:
+        resumed.resume_history([{"val_top1": float(epoch)} for epoch in range(2)])  # the checkpoint's history
         for epoch in range(2, 4):
             resumed.log_metrics({"val_top1": float(epoch)}, step=epoch)
 
@@ -176,9 +179,11 @@ def test_resume_continues_the_same_run_and_history(workdir, store, request):
 
 
 @pytest.mark.parametrize("killed", ["before logging", "between MLflow and DVCLive", "after logging"])
-def test_a_resumed_history_holds_each_step_once_wherever_the_kill_fell(workdir, store, request, killed):
+@pytest.mark.parametrize("outputs", ["deleted", "kept"])
+def test_a_resumed_history_holds_each_step_once_wherever_the_kill_fell(workdir, store, request, killed, outputs):
     """The trainer checkpoints an epoch, then logs it; resuming from that checkpoint calls resume_history with
-    the checkpoint's step and metrics, whatever part of the logging the killed run got to."""
+    the checkpoint's history, whatever part of the logging the killed run got to, and whether the metrics files
+    are gone (DVC deletes a stage's outputs before running it) or left by a run outside DVC."""
     params = params_for(request)
     metrics_dir = workdir / "metrics"
     epoch_metrics = [{"val_top1": 10.0 * step, "train_loss": 1.0 / (step + 1)} for step in range(4)]
@@ -192,11 +197,13 @@ def test_a_resumed_history_holds_each_step_once_wherever_the_kill_fell(workdir, 
         for name in ("val_top1", "train_loss"):
             path = metrics_dir / "plots" / "metrics" / f"{name}.tsv"
             path.write_text("".join(path.read_text().splitlines(keepends=True)[:-1]))
+    if outputs == "deleted":
+        shutil.rmtree(metrics_dir)
 
     with Tracker(
         "pretrain", params, cpu_runtime(), metrics_dir=metrics_dir, param_sections=PRETRAIN_SECTIONS, resume_run_id=first.run_id
     ) as resumed:
-        resumed.resume_history(1, epoch_metrics[1])
+        resumed.resume_history(epoch_metrics[:2])
         for step in range(2, 4):
             resumed.log_metrics(epoch_metrics[step], step=step)
 
@@ -267,6 +274,13 @@ def test_lineage_links_each_cached_stage_to_the_run_that_made_its_outputs(workdi
         ("pretrain", None), ("teacher (cached)", made["teacher"].run_id),
     ]
     assert client(store).get_run(rerun.pipeline_run_id).info.status == "FINISHED"
+
+    # A third pipeline with the same teacher outputs (a sweep's next point) links to the run that made them, not to
+    # the second pipeline's link, although that link is the newest run tagged with those outputs.
+    third_params = params_for(request, seed=2)
+    open_and_close(request, "pretrain", third_params, workdir)
+    lines = record_lineage(third_params, lock_with({"teacher": "a" * 32, "pretrain": "e" * 32, "source": "c" * 32}))
+    assert lines == [f"teacher: cached, made by run {made['teacher'].run_id} (pipeline run {made['teacher'].pipeline_run_id})"]
 
 
 def test_a_training_run_holds_its_datasets_curves_and_model_and_the_result_is_registered(
@@ -374,7 +388,7 @@ def test_an_evaluation_names_the_run_that_wrote_its_model_file(workdir, store, r
 
 
 def test_metrics_json_is_replaced_whole_or_not_at_all(workdir, request):
-    """DVCLive rewrites metrics.json in place; a kill in the middle would leave JSON that Live(resume=True)
+    """DVCLive rewrites metrics.json in place; a kill in the middle would leave JSON that `dvc metrics show`
     cannot read. Ours writes a temporary file and renames it: a failed write leaves the previous file."""
     params = params_for(request)
     metrics_dir = workdir / "metrics"
@@ -429,8 +443,11 @@ def test_other_ranks_touch_nothing(workdir, request, monkeypatch):
 def test_store_defaults_to_the_project_root(workdir, monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI")
     assert tracking_uri() == f"sqlite:///{workdir.resolve() / 'mlflow.db'}"
-    # DVC sets DVC_ROOT to the main repo, also for queued experiments running in a temporary copy.
+    # DVC sets DVC_ROOT to the repo it runs; for a queued or temporary experiment that is a copy of the project in
+    # .dvc/tmp/exps, which is removed when the experiment ends: its runs go to the project's store.
     monkeypatch.setenv("DVC_ROOT", "/somewhere/repo")
+    assert tracking_uri() == "sqlite:////somewhere/repo/mlflow.db"
+    monkeypatch.setenv("DVC_ROOT", "/somewhere/repo/.dvc/tmp/exps/tmpab12cd")
     assert tracking_uri() == "sqlite:////somewhere/repo/mlflow.db"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
     assert tracking_uri() == "http://127.0.0.1:5000"

@@ -204,13 +204,13 @@ def test_checkpoint_restores_the_whole_training_state(tmp_path):
     for update in range(3):
         trainer.backward(random_batch(8, seed=update), micro_steps=1, sync=True)
         trainer.optimizer_step()
-    trainer.save_checkpoint(1, {"val_top1": 50.0}, run_id="run-1")
+    trainer.save_checkpoint(1, [{"val_top1": 50.0}], run_id="run-1")
     draws_after_save = (torch.rand(3).tolist(), np.random.rand(), random.random())
 
     assert torch.load(trainer.checkpoint_path, weights_only=True)["epoch"] == 1
     resumed = make_trainer(tmp_path, ema={"enabled": True, "decay": 0.9}, model_seed=1)
     checkpoint = resumed.load_checkpoint()
-    assert checkpoint["run_id"] == "run-1" and checkpoint["metrics"] == {"val_top1": 50.0}
+    assert checkpoint["run_id"] == "run-1" and checkpoint["history"] == [{"val_top1": 50.0}]
     assert (resumed.start_epoch, resumed.updates) == (1, 3)
     assert (torch.rand(3).tolist(), np.random.rand(), random.random()) == draws_after_save  # same RNG streams
     for original, restored in ((trainer.model, resumed.model), (trainer.ema.module, resumed.ema.module)):
@@ -220,7 +220,7 @@ def test_checkpoint_restores_the_whole_training_state(tmp_path):
 
 
 def test_checkpoint_from_other_params_is_not_resumed(tmp_path, capsys):
-    make_trainer(tmp_path).save_checkpoint(1, {}, run_id=None)
+    make_trainer(tmp_path).save_checkpoint(1, [{}], run_id=None)
     other = make_trainer(tmp_path, optimizer={"lr_base": 1e-3})
     assert other.load_checkpoint() is None and other.start_epoch == 0
     assert "pretrain.optimizer.lr_base" in capsys.readouterr().out
@@ -233,7 +233,7 @@ def test_checkpoint_from_other_params_is_not_resumed(tmp_path, capsys):
      ({"provenance": {"data_digest": "digits", "code": "abc", "version.torch": "9.9"}}, "version.torch")],
 )
 def test_checkpoint_from_other_code_data_or_libraries_is_not_resumed(tmp_path, capsys, changed, named):
-    make_trainer(tmp_path).save_checkpoint(1, {}, run_id=None)
+    make_trainer(tmp_path).save_checkpoint(1, [{}], run_id=None)
     other = make_trainer(tmp_path, **changed)
     assert other.load_checkpoint() is None and other.start_epoch == 0
     assert f"written under other {named}" in capsys.readouterr().out
@@ -242,14 +242,14 @@ def test_checkpoint_from_other_code_data_or_libraries_is_not_resumed(tmp_path, c
 def test_loader_speed_knobs_keep_a_checkpoint_resumable(tmp_path):
     """loader.workers and loader.prefetch change how fast batches come, not which (tests/test_loaders.py), so no
     stage lists them: the run resumes. The backend changes which."""
-    make_trainer(tmp_path, loader={"workers": 2, "prefetch": 2}).save_checkpoint(1, {}, run_id=None)
+    make_trainer(tmp_path, loader={"workers": 2, "prefetch": 2}).save_checkpoint(1, [{}], run_id=None)
     resumed = make_trainer(tmp_path, loader={"workers": 0, "prefetch": 4})
     assert resumed.load_checkpoint() is not None and resumed.start_epoch == 1
     assert make_trainer(tmp_path, loader={"backend": "torch"}).load_checkpoint() is None
 
 
 def test_a_checkpoint_that_cannot_be_read_for_a_transient_reason_is_not_called_corrupt(tmp_path, monkeypatch):
-    make_trainer(tmp_path).save_checkpoint(1, {}, run_id=None)
+    make_trainer(tmp_path).save_checkpoint(1, [{}], run_id=None)
     trainer = make_trainer(tmp_path)
 
     def failing_load(*args, **kwargs):
@@ -266,19 +266,23 @@ def test_a_checkpoint_that_cannot_be_read_for_a_transient_reason_is_not_called_c
 
 def test_rerun_after_the_last_epoch_only_writes_the_outputs(tmp_path, monkeypatch):
     """Killed between the last checkpoint and the model file: the rerun trains nothing (its loader would fail if
-    iterated) and writes the checkpoint's weights and metrics."""
+    iterated), writes the checkpoint's weights and metrics, and deletes the checkpoint (DVC caches the result)."""
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     finished = make_trainer(tmp_path, epochs=2)
-    finished.save_checkpoint(2, {"val_top1": 97.5, "val_top5": 100.0}, run_id=None)
+    history = [{"val_top1": 90.0, "val_top5": 100.0}, {"val_top1": 97.5, "val_top5": 100.0}]
+    finished.save_checkpoint(2, history, run_id=None)
     rerun = make_trainer(tmp_path, epochs=2, model_seed=1)
     assert rerun.fit() == {"val_top1": 97.5, "val_top5": 100.0}
+    assert not rerun.checkpoint_path.parent.exists()
     saved = torch.load(rerun.model_file, weights_only=True)["model"]
     torch.testing.assert_close(saved, finished.model.state_dict(), rtol=0, atol=0)
-    # The last epoch's metrics, in case the killed run had not logged them (no second copy under other names:
+    # The curves rebuilt from the checkpoint, up to the last epoch's metrics (no second copy under other names:
     # a training run's final accuracy is its last val_top1, a column apart from the evaluate stage's top1).
     assert json.loads((tmp_path / "metrics" / "metrics.json").read_text()) == {
         "val_top1": 97.5, "val_top5": 100.0, "step": 1,
     }
+    rows = (tmp_path / "metrics" / "plots" / "metrics" / "val_top1.tsv").read_text().splitlines()
+    assert [row.split("\t")[-1] for row in rows] == ["val_top1", "90.0", "97.5"]
 
 
 # ------------------------------------------------------------------------------------------ real runs (slow)
@@ -366,7 +370,14 @@ def test_killed_pretrain_resumes_to_the_uninterrupted_result_and_learns(digits_r
     stdout = finish(run_pretrain(params_file, digits_records, interrupted))
     finish(reference)
     assert f"resumed from epoch {killed_at['epoch']}" in stdout
-    assert torch.load(checkpoint_file, weights_only=True)["run_id"] == killed_at["run_id"]  # same MLflow run
+    assert not checkpoint_file.exists()  # finished: the resume state is gone
+    from mlflow import MlflowClient
+
+    store = MlflowClient(f"sqlite:///{interrupted / 'mlflow.db'}")
+    (run,) = store.search_runs(
+        [store.get_experiment_by_name(make_params().tracking.experiment).experiment_id], "tags.stage = 'pretrain'"
+    )
+    assert run.info.run_id == killed_at["run_id"]  # the killed run, continued
 
     runs = (uninterrupted, interrupted)
     weights = [torch.load(out / "model" / "model.pt", weights_only=True)["model"] for out in runs]

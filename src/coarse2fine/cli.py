@@ -31,7 +31,7 @@ def add_student_arguments(parser: argparse.ArgumentParser, stage: str) -> None:
         "--token-labels", default="data/token_labels", help="token-label store (default: data/token_labels)"
     )
     parser.add_argument(
-        "--checkpoint-dir", default=f"models/{stage}_ckpt", help=f"resumable checkpoint (default: models/{stage}_ckpt)"
+        "--checkpoint-dir", default=f".resume/{stage}", help=f"resume state (default: .resume/{stage})"
     )
     parser.add_argument("--out", default=f"models/{stage}", help=f"final model directory (default: models/{stage})")
     parser.add_argument("--metrics", default=f"metrics/{stage}", help=f"metrics directory (default: metrics/{stage})")

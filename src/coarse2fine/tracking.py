@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import csv
 import hashlib
 import json
 import logging
@@ -106,10 +105,19 @@ SOURCE_TAGS = (MLFLOW_SOURCE_NAME, MLFLOW_SOURCE_TYPE)  # the UI's Source column
 HTTP_RETRIES = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
 
 
+# Where DVC runs a queued or temporary experiment (`dvc exp run --queue/--temp`): a copy of the repo in
+# <project>/.dvc/tmp/exps/<tmpdir> (DVC's TempDirExecutor), removed when the experiment ends, and DVC_ROOT names
+# that copy. Its runs belong in the project's store, not in one that disappears with the copy.
+EXPERIMENT_COPIES = (".dvc", "tmp", "exps")
+
+
 def project_root() -> Path:
-    """Where mlflow.db lives: the repo DVC runs us for (DVC_ROOT, also set for queued experiments, which
-    run in a temporary copy of the repo), else the working directory."""
-    return Path(os.environ.get("DVC_ROOT") or os.getcwd()).resolve()
+    """Where mlflow.db lives: the repo DVC runs us for (DVC_ROOT, else the working directory), or for an
+    experiment running in DVC's temporary copy, the project that copy belongs to."""
+    root = Path(os.environ.get("DVC_ROOT") or os.getcwd()).resolve()
+    if root.parent.parts[-len(EXPERIMENT_COPIES):] == EXPERIMENT_COPIES:
+        return root.parents[len(EXPERIMENT_COPIES)]
+    return root
 
 
 def tracking_uri() -> str:
@@ -217,23 +225,12 @@ class _FileOnlyLive(Live):
         pass
 
     def make_summary(self) -> None:
-        """Live's own summary, written atomically: `Live(resume=True)` reads it back, and a kill in the middle of
-        Live's in-place rewrite would leave a file it cannot parse."""
+        """Live's own summary, written atomically: a kill in the middle of Live's in-place rewrite would leave a
+        metrics.json that `dvc metrics show` cannot parse."""
         if self._step is not None:
             self.summary["step"] = self.step
         with atomic_path(self.metrics_file) as temporary:
             temporary.write_text(json.dumps(self.summary, indent=4, cls=NumpyEncoder) + "\n", encoding="utf-8")
-
-    def drop_history_from(self, step: int) -> None:
-        """Remove the rows at `step` and later from every metric's history file (`plots/metrics/*.tsv`)."""
-        for path in sorted((Path(self.plots_dir) / LiveMetric.subfolder).rglob("*.tsv")):
-            with open(path, encoding="utf-8", newline="") as history:
-                reader = csv.DictReader(history, delimiter="\t")
-                fields, rows = reader.fieldnames, [row for row in reader if int(row["step"]) < step]
-            with atomic_path(path) as temporary, open(temporary, "w", encoding="utf-8", newline="") as history:
-                writer = csv.DictWriter(history, fields, delimiter="\t", lineterminator=os.linesep)
-                writer.writeheader()
-                writer.writerows(rows)
 
 
 class Tracker:
@@ -295,10 +292,11 @@ class Tracker:
         try:
             # save_dvc_exp=False, dvcyaml=None, report=None: no experiments behind the user's back (that is
             # `dvc exp run`'s job), no edits of dvc.yaml, no report files.
-            # resume=True keeps the per-step history of the interrupted run instead of wiping it.
+            # resume=False: the files start empty; a resumed run rewrites its history (`resume_history`), since
+            # DVC deletes a stage's outputs before it runs it.
             self._live = _FileOnlyLive(
                 dir=str(self.metrics_dir),
-                resume=self.resume_run_id is not None,
+                resume=False,
                 report=None,
                 save_dvc_exp=False,
                 dvcyaml=None,
@@ -395,19 +393,20 @@ class Tracker:
         # Written every step, not only at the end, so a killed run leaves metrics.json matching the history.
         self._live.make_summary()
 
-    def resume_history(self, step: int, metrics: Mapping[str, float]) -> None:
-        """On resuming from a checkpoint whose last epoch is `step` (its `metrics`): make both histories end with
-        exactly one entry at `step`, wherever the killed run stopped around its last checkpoint (the trainer
-        checkpoints first, then logs). DVCLive: rows from `step` on are dropped and `step` written anew.
-        MLflow, which cannot delete points: `step` is logged unless it is there (one log_batch is atomic)."""
-        if not self.enabled or not metrics:
+    def resume_history(self, history: Sequence[Mapping[str, float]]) -> None:
+        """On resuming from a checkpoint whose finished epochs logged `history` (epoch i's metrics at step i): the
+        DVCLive files are rewritten from it (they start empty), and the last epoch is logged to MLflow unless the
+        killed run got to it (the trainer checkpoints first, then logs; one log_batch is atomic), so both
+        histories hold each step exactly once wherever the kill fell. Nothing to do for a fresh run (no history)."""
+        if not self.enabled or not history:
             return
-        self._live.drop_history_from(step)
-        values = _plain_numbers(metrics)
-        history = self._mlflow("get_metric_history", self.run_id, next(iter(values)))
-        if history is not None and step not in {entry.step for entry in history}:
-            self._mlflow("log_batch", self.run_id, metrics=_mlflow_metrics(values, step))
-        self._log_live(values, step)
+        last = len(history) - 1
+        values = _plain_numbers(history[last])
+        logged = self._mlflow("get_metric_history", self.run_id, next(iter(values)))
+        if logged is not None and last not in {entry.step for entry in logged}:
+            self._mlflow("log_batch", self.run_id, metrics=_mlflow_metrics(values, last))
+        for step, metrics in enumerate(history):
+            self._log_live(_plain_numbers(metrics), step)
 
     def log_summary(self, metrics: Mapping[str, float]) -> None:
         """Final numbers: MLflow metrics and keys of `metrics_dir/metrics.json` (no history rows)."""
@@ -679,7 +678,10 @@ def _link_stages(
         producers = client.search_runs([experiment_id], query, order_by=["attributes.start_time DESC"], max_results=1)
         if not producers:
             continue  # its stage has no run (plain-python stages), or ran before lineage was recorded
-        producer = made_by[stage] = producers[0]
+        producer = producers[0]
+        if CACHED_FROM_TAG in producer.data.tags:  # another pipeline's link to these outputs: link to their maker
+            producer = client.get_run(producer.data.tags[CACHED_FROM_TAG])
+        made_by[stage] = producer
         source = {key: producer.data.tags[key] for key in SOURCE_TAGS if key in producer.data.tags}
         link = client.create_run(
             experiment_id, run_name=f"{stage} (cached)",

@@ -7,7 +7,7 @@ The objective (losses.py) is given by the stage: label-smoothed cross-entropy on
 or token labeling (with MixToken when the model was built with it).
 
 Checkpoint (`<checkpoint_dir>/last.pt`, rewritten atomically after every epoch, loadable with
-`torch.load(weights_only=True)`):
+`torch.load(weights_only=True)`; deleted once the stage's outputs are written, see below):
 
     epoch      epochs completed = the next epoch to run; also the loaders' whole state, since their
                stream is a function of (seed, epoch, rank, world)
@@ -15,13 +15,18 @@ Checkpoint (`<checkpoint_dir>/last.pt`, rewritten atomically after every epoch, 
     model, optimizer, scheduler, scaler, ema    state dicts (ema: None when off)
     rng        one entry per rank: torch / numpy / random (/ cuda) generator states
     run_id     the MLflow run, reopened on resume
-    metrics    the last epoch's metrics: logged after the checkpoint is written, so a resumed run logs them
-               if the killed one did not get to (`Tracker.resume_history`)
+    history    every finished epoch's metrics: a resumed run rebuilds its DVCLive curves from them (DVC deletes
+               a stage's outputs, the metrics files included, before running it) and logs the last epoch to
+               MLflow if the killed run did not get to (`Tracker.resume_history`)
     inputs     what the result depends on: the params the stage reads (as dvc.yaml lists them: no speed knob
                such as loader.workers), the world size, and the stage's `provenance` (the data digest, the
                hash of the code the stage runs, the library versions). A checkpoint written under other
-               inputs is ignored, not resumed: DVC keeps the checkpoint dir across the reruns a changed
-               param or code file causes, and the outputs must stay a function of what is on disk now.
+               inputs is ignored, not resumed: a run killed under one params value must not be continued
+               under another, and the outputs must stay a function of what is on disk now.
+
+The checkpoint dir is resume state, not a DVC output (dvc.yaml passes `.resume/<stage>`, ignored by git and
+DVC): a stage with such an output could not be restored from DVC's run cache. A finished run's result is what DVC
+caches, so the checkpoint is deleted once the model file is written.
 """
 
 from __future__ import annotations
@@ -185,13 +190,12 @@ class Trainer:
         """Train the remaining epochs; write the final model file and metrics; return the last epoch's metrics."""
         checkpoint = self.load_checkpoint()
         run_id = checkpoint["run_id"] if checkpoint else None
-        metrics = checkpoint["metrics"] if checkpoint else {}
+        history = checkpoint["history"] if checkpoint else []
         with Tracker(
             self.stage, self.params, self.runtime,
             metrics_dir=self.metrics_dir, param_sections=self.param_sections, resume_run_id=run_id, system_metrics=True,
         ) as tracker:
-            if checkpoint:
-                tracker.resume_history(checkpoint["epoch"] - 1, checkpoint["metrics"])
+            tracker.resume_history(history)
             cfg, world = self.cfg, self.runtime.world_size
             self._print(
                 f"{cfg.optimizer.describe_lr(self.global_batch)} (global batch {self.global_batch} = "
@@ -202,7 +206,8 @@ class Trainer:
                 tracker.log_records(self.records_dir, split)
             for epoch in range(self.start_epoch, self.cfg.total_epochs):
                 metrics = self._train_epoch(epoch) | self._validate()
-                self.save_checkpoint(epoch + 1, metrics, tracker.run_id)
+                history.append(metrics)
+                self.save_checkpoint(epoch + 1, history, tracker.run_id)
                 tracker.log_metrics(metrics, step=epoch)
                 self._print(
                     f"epoch {epoch + 1}/{self.cfg.total_epochs}: train loss {metrics['train_loss']:.4f}, "
@@ -222,7 +227,11 @@ class Trainer:
             tracker.log_curves()
             for name in (records.CLASSES_FILE, records.MANIFEST_FILE) if self.records_dir else ():
                 tracker.log_artifact(self.records_dir / name)
-        return metrics
+        if self.runtime.is_main:  # the outputs are written: DVC's cache keeps the result from here on
+            self.checkpoint_path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # the dir, if nothing else is in it
+                self.checkpoint_path.parent.rmdir()
+        return history[-1] if history else {}
 
     @property
     def eval_model(self) -> nn.Module:
@@ -310,7 +319,7 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------ checkpoints
 
-    def save_checkpoint(self, epochs_done: int, metrics: dict[str, float], run_id: str | None) -> None:
+    def save_checkpoint(self, epochs_done: int, history: Sequence[dict[str, float]], run_id: str | None) -> None:
         rng = distributed.all_gather_objects(_rng_state(self.runtime))  # a collective: every rank calls it
         if not self.runtime.is_main:
             return
@@ -325,7 +334,7 @@ class Trainer:
                 "ema": self.ema.module.state_dict() if self.ema else None,
                 "rng": rng,
                 "run_id": run_id,
-                "metrics": metrics,
+                "history": list(history),
                 "inputs": self.run_inputs,
             },
             self.checkpoint_path,

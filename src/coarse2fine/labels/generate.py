@@ -16,9 +16,8 @@ set of rows; ranks share the chunks still to do, write their rows in place into 
 work directory, flush, and leave a marker per chunk. A rerun with the same inputs (fingerprint in
 `inputs.json`) skips the marked chunks; batches never depend on the rank count, so 1 or N ranks, killed or
 not, write the same bytes. When every chunk is done, rank 0 hard-links the arrays into the output directory
-(no copy, no extra disk) and writes the header last. The work directory keeps them with every marker, so a
-rerun with the same inputs (token labeling switched off everywhere, which empties the store, and back on)
-publishes them again instead of running the teacher again.
+(no copy, no extra disk), writes the header last and deletes the work directory: a finished store is DVC's to
+keep (its run cache restores it for the same inputs, say after token labeling was off everywhere and back on).
 """
 
 from __future__ import annotations
@@ -232,7 +231,7 @@ def generate(
             print(f"token_labels: resuming, {resumed} of {num_chunks} chunks done ({work_dir})", flush=True)
     distributed.barrier()
     pending = [index for index in range(num_chunks) if not _marker(work_dir, index).exists()]
-    # Finished work is only read: its arrays may be links into DVC's read-only cache (cache.type hardlink).
+    # A run killed after its last chunk has nothing left to write.
     arrays = store.open_arrays(work_dir, mode="r+" if pending else "r")
     mine = pending[runtime.rank :: runtime.world_size]
 
@@ -279,6 +278,7 @@ def generate(
     )
     if runtime.is_main:
         _publish(work_dir, out_dir, arrays, num_classes, header)
+        shutil.rmtree(work_dir)  # the store's arrays are links of their own: nothing is copied or lost
     distributed.barrier()
     return result
 
@@ -296,9 +296,8 @@ def _marker(work_dir: Path, chunk: int) -> Path:
 
 
 def _prepare_work_dir(work_dir: Path, inputs: dict[str, Any], shape: tuple[int, int, int, int]) -> int:
-    """Keep an earlier run's work (killed or finished) when it was made from the same inputs (returns its finished
-    chunks), else start afresh: allocate the arrays and record the inputs (last, so a half-made work dir never
-    matches)."""
+    """Keep a killed run's work when it was made from the same inputs (returns its finished chunks), else start
+    afresh: allocate the arrays and record the inputs (last, so a half-made work dir never matches)."""
     inputs_file = work_dir / INPUTS_FILE
     try:
         if json.loads(inputs_file.read_text()) == inputs:
@@ -318,7 +317,7 @@ def _prepare_work_dir(work_dir: Path, inputs: dict[str, Any], shape: tuple[int, 
 def _publish(
     work_dir: Path, out_dir: Path, arrays: store.StoreArrays, num_classes: int, header: Mapping[str, Any]
 ) -> None:
-    """Hard-link the finished arrays into `out_dir`, header last; the work dir keeps them (module docstring)."""
+    """Hard-link the finished arrays into `out_dir`, header last."""
     shutil.rmtree(out_dir, ignore_errors=True)
     out_dir.mkdir(parents=True)
     for name in (store.LOG_PROBS_FILE, store.CLASSES_FILE):

@@ -131,7 +131,7 @@ def run_timm(timm_repo: Path, tree: Path, work: Path, env: dict[str, str], **set
 
 
 def run_pretrain(project: ProjectCopy) -> dict:
-    for name in ("models/pretrain_ckpt", "metrics/pretrain"):
+    for name in (".resume/pretrain", "metrics/pretrain"):
         shutil.rmtree(project.path / name, ignore_errors=True)
     run = project.repro("-f", "-s", "pretrain")
     history = project.path / "metrics/pretrain/plots/metrics/train_img_per_s.tsv"

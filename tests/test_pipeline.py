@@ -462,12 +462,15 @@ def without_tracking_uri(project: Project) -> dict[str, str]:
 
 
 def experiment_results(project: Project) -> dict[str, dict]:
-    """name -> the experiment's params.yaml and metrics, as `dvc exp show` has them."""
+    """name -> the experiment's params.yaml and metrics, as `dvc exp show` has them (a metrics file of a stage the
+    experiment's target did not reach is left out: DVC shows it as an error)."""
     shown = json.loads(project.run("dvc", "exp", "show", "--json").stdout)
     return {
         experiment["name"]: {
             "params": experiment["revs"][0]["data"]["params"]["params.yaml"]["data"],
-            "metrics": {path: entry["data"] for path, entry in experiment["revs"][0]["data"]["metrics"].items()},
+            "metrics": {
+                path: entry["data"] for path, entry in experiment["revs"][0]["data"]["metrics"].items() if "data" in entry
+            },
         }
         for baseline in shown for experiment in baseline.get("experiments") or []
     }

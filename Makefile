@@ -64,7 +64,7 @@ docs/node_modules/.playwright: docs/package-lock.json
 # as DVC experiments, run SWEEP_JOBS at a time, then listed with the swept params and both evaluations' top-1. Each
 # reruns only the stages its change reaches (the rest come from DVC's cache) and is also a pipeline run in MLflow
 # named after its experiment. Another grid, e.g.:
-#   make sweep SWEEP="-S data.subset=0.2 -S 'finetune.optimizer.lr_base=3.2e-3,6.4e-3'" SWEEP_COLUMNS='finetune.optimizer.lr_base'
+#   make sweep SWEEP="-S data.subset=0.2 -S 'finetune.optimizer.lr_base=8e-4,3.2e-3'" SWEEP_COLUMNS='finetune.optimizer.lr_base'
 SWEEP ?= -S data.subset=0.2 -S 'pretrain.optimizer.lr_base=8e-3,1.6e-2,3.2e-2'
 SWEEP_COLUMNS ?= data.subset|pretrain.optimizer.lr_base
 # 1: the first point makes the records, teacher and token labels of the new subset, the others restore them.

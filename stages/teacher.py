@@ -27,7 +27,8 @@ def main(params: Params, args: argparse.Namespace) -> None:
         loaders = {
             split: build_loader(
                 split, args.records, img_size=cfg.img_size, batch_size=cfg.batch_size, runtime=runtime,
-                loader_cfg=params.loader, augment_cfg=params.augment, crop_pct=cfg.val_crop_pct, seed=params.seed,
+                loader_cfg=params.loader, augment_cfg=cfg.train_augment(params.augment), crop_pct=cfg.val_crop_pct,
+                seed=params.seed,
             )
             for split in (("train", "val") if cfg.mode == "train" else ("val",))
         }

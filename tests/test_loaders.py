@@ -207,6 +207,24 @@ def test_window_and_flip_reproduce_the_crop(digits_records, backend, split):
         assert torch.allclose(batch["window"], torch.tensor([2 / 36, 2 / 36, 32 / 36, 32 / 36]).expand(32, 4))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_stage_crop_scale_bounds_that_stage_s_train_crops(digits_records, backend):
+    """finetune.crop_scale replaces augment.scale in fine-tuning's train loader only; pre-training keeps
+    augment.scale. Areas are of the whole image (window height x width), whole pixels off the drawn area."""
+    params = make_params(loader={"backend": backend, "workers": 0}, finetune={"crop_scale": [0.8, 1.0]})
+    areas = {}
+    for stage in ("pretrain", "finetune"):
+        cfg = getattr(params, stage)
+        loader = build_loader(
+            "train", digits_records, img_size=IMG_SIZE, batch_size=64, runtime=cpu_runtime(), loader_cfg=params.loader,
+            augment_cfg=cfg.train_augment(params.augment), crop_pct=1.0, seed=0,
+        )
+        window = next(iter(loader))["window"]
+        areas[stage] = window[:, 2] * window[:, 3]
+    assert areas["finetune"].min() >= 0.8 - 2 / IMG_SIZE, areas["finetune"]
+    assert areas["pretrain"].min() < 0.6, areas["pretrain"]  # augment.scale's default: [0.35, 1]
+
+
 def test_both_backends_give_the_same_val_images(digits_records):
     """Same pixels up to decoder/resampler differences; with crop_pct > 1 both pad black around the image."""
     crops = {

@@ -55,6 +55,7 @@ def test_shipped_params_are_valid_and_document_every_training_knob():
         ("finetune.img_size", 36, "finetune.img_size: 36 is not divisible by the model's token stride 8"),
         ("evaluate.finetune.extra_sizes", [40, 33], "evaluate.finetune.extra_sizes: 33 is not divisible by the model's token stride 8"),
         ("augment.scale", [0.9, 0.1], "augment.scale: must be 0 < low <= high (got [0.9, 0.1])"),
+        ("finetune.crop_scale", [0.8, 1.2], "finetune.crop_scale: upper bound must be <= 1 (got 1.2)"),
         ("model.name", "resnet50x", "model.name: 'resnet50x' is neither volo_custom nor a timm model; did you mean resnet50"),
         ("teacher.model.name", "volo_d9", "teacher.model.name: 'volo_d9' is neither volo_custom nor a timm model"),
         ("teacher.model.output_stride", 4, "teacher.model.output_stride: 4 is not 8, 16 or 32 of a CNN"),

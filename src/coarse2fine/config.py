@@ -142,6 +142,19 @@ def _unsupported(part: str, text: str) -> ValueError:
     return ValueError(f"cannot use {part!r} in {text!r} (supported: {RAND_AUGMENT_SYNTAX})")
 
 
+def check_crop_range(name: str, bounds: tuple[float, float]) -> None:
+    low, high = bounds
+    if not 0 < low <= high:
+        raise ValueError(f"{name}: must be 0 < low <= high (got [{low}, {high}])")
+
+
+def check_crop_scale(name: str, bounds: tuple[float, float]) -> None:
+    """A random-resized-crop area range: a fraction of the image, so at most 1."""
+    check_crop_range(name, bounds)
+    if bounds[1] > 1:
+        raise ValueError(f"{name}: upper bound must be <= 1 (got {bounds[1]})")
+
+
 class Augment(Section):
     scale: tuple[float, float] = (0.35, 1.0)  # random-resized-crop area fraction
     ratio: tuple[float, float] = (0.75, 4 / 3)  # random-resized-crop aspect ratio
@@ -154,12 +167,9 @@ class Augment(Section):
 
     @model_validator(mode="after")
     def _ranges(self) -> Augment:
-        for name in ("scale", "ratio"):
-            low, high = getattr(self, name)
-            if not 0 < low <= high:
-                raise ValueError(f"{name}: must be 0 < low <= high (got [{low}, {high}])")
-        if self.scale[1] > 1:
-            raise ValueError(f"scale: upper bound must be <= 1 (got {self.scale[1]})")
+        check_crop_range("scale", self.scale)
+        check_crop_range("ratio", self.ratio)
+        check_crop_scale("scale", self.scale)
         try:
             self._rand_augment_spec = parse_rand_augment(self.rand_augment)
         except ValueError as error:
@@ -346,6 +356,8 @@ class Train(Section):
     ema: Ema = Ema()
     mixup: Mixup = Mixup()
     val_crop_pct: float = Field(1.0, gt=0, le=2)
+    # This stage's random-resized-crop area range, in place of augment.scale; unset: augment.scale.
+    crop_scale: tuple[float, float] | None = None
     compile: bool = False  # torch.compile the training forward (the first steps compile it: minutes on a big model)
 
     @model_validator(mode="after")
@@ -353,6 +365,16 @@ class Train(Section):
         if self.mixup.enabled and self.batch_size % 2:
             raise ValueError(f"batch_size: {self.batch_size} is odd; Mixup/CutMix pairs the samples of a batch")
         return self
+
+    @model_validator(mode="after")
+    def _crop_scale_range(self) -> Train:
+        if self.crop_scale is not None:
+            check_crop_scale("crop_scale", self.crop_scale)
+        return self
+
+    def train_augment(self, augment: Augment) -> Augment:
+        """params.augment as this stage's train loader applies it (its own crop_scale, when set)."""
+        return augment if self.crop_scale is None else augment.model_copy(update={"scale": self.crop_scale})
 
     @property
     def total_epochs(self) -> int:

@@ -167,9 +167,8 @@ class Augment(Section):
 
     @model_validator(mode="after")
     def _ranges(self) -> Augment:
-        check_crop_range("scale", self.scale)
-        check_crop_range("ratio", self.ratio)
         check_crop_scale("scale", self.scale)
+        check_crop_range("ratio", self.ratio)
         try:
             self._rand_augment_spec = parse_rand_augment(self.rand_augment)
         except ValueError as error:

@@ -49,7 +49,8 @@ def train_student(
         loaders = {
             split: build_loader(
                 split, paths.records, img_size=cfg.img_size, batch_size=cfg.batch_size, runtime=runtime,
-                loader_cfg=params.loader, augment_cfg=cfg.train_augment(params.augment), crop_pct=cfg.val_crop_pct, seed=params.seed,
+                loader_cfg=params.loader, augment_cfg=cfg.train_augment(params.augment), crop_pct=cfg.val_crop_pct,
+                seed=params.seed,
                 token_labels=labels if split == "train" else None,
             )
             for split in ("train", "val")

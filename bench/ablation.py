@@ -6,7 +6,7 @@ see coarse2fine.data.sources.write_photos), where the digits' 99 % ceiling canno
 in a fresh git repository gets the photos settings below, then one `dvc exp run` per row in its workspace, each
 naming every ablated key, so the stages a row does not change (convert, teacher) are reused from the first row;
 token_labels runs the teacher once, for the first row with token labels (a ground-truth row empties the store,
-and the next token-label row republishes the kept work without a forward). Both students get the same epochs:
+and DVC's run cache restores the teacher's store for the next token-label row). Both students get the same epochs:
 coarse-to-fine 60 + 10, direct 70.
 Each row: the evaluate stage's top-1 of the model the row ends with, the training compute (images x pixels seen
 by the students: epochs x train images x side^2, in Gpx) and the students' training wall time.

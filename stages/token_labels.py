@@ -3,10 +3,10 @@
 `token_labels.mode: generate` runs the teacher: ranks split the records; a killed run resumes from its last
 finished chunk (the work dir, .resume/token_labels under dvc.yaml: resume state, not an output, so that DVC's run
 cache can restore a finished store, e.g. after token labeling was off everywhere and back on, without a teacher
-forward); 1 or N ranks write the same bytes. `import`
-reads the reference's published label files instead (token_labels.import_dir; coarse2fine.labels.imported), no
-teacher forward. When no student learns from token labels (pretrain/finetune.token_label.enabled both false), an
-empty store: neither the teacher nor the records are read.
+forward); 1 or N ranks write the same bytes. `import` reads the reference's published label files instead
+(token_labels.import_dir; coarse2fine.labels.imported), no teacher forward. When no student learns from token
+labels (pretrain/finetune.token_label.enabled both false), an empty store: neither the teacher nor the records
+are read.
 The store also holds what dvc.yaml's students depend on (`store.write_student_deps`), so that a student with token
 labeling off is not rerun when the labels change.
 Metrics: the teacher's dense top-1 (spatially averaged map vs the label) and its cells' top-1, what the student

@@ -15,7 +15,7 @@ same tiny VOLO directly at 64 px for the direct rows' epochs with the project's 
 lists them), on the same patches written as PNG files (the project reads them re-encoded as JPEG); its wall time
 is the whole train.py run, validation included, as the stages' is.
 
-Run: python bench/ablation.py [--rows NAME ...] [--timm-repo DIR] [--workdir DIR] (see --help); make ablation
+Run: python bench/ablation.py [--rows NAME ...] [--seed N] [--timm-repo DIR] [--workdir DIR] (see --help); make ablation
 runs every DVC row (ABLATION_ARGS="--timm-repo DIR" adds timm's).
 """
 
@@ -71,6 +71,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--timm-repo", type=Path, default=None, metavar="PATH",
                         help="a timm source checkout (the directory holding train.py): adds timm's row")
     parser.add_argument("--workdir", type=Path, default=None, help="keep the project copy here (default: a temp dir)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="params.yaml's seed for every row: it draws the photo patches, the split and the training")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the report and numbers here")
     args = parser.parse_args()
     if args.rows is None:
@@ -84,7 +86,7 @@ def main() -> None:
     args = parse_args()
     results = {}
     with workspace(args.workdir) as work:
-        project = ProjectCopy(work / "project", PHOTOS)
+        project = ProjectCopy(work / "project", {**PHOTOS, "seed": args.seed})
         params = load_params(project.path / "params.yaml")
         train_images = params.data.photos.train_per_class * len(sources.PHOTOS)
         for name in args.rows:
@@ -96,7 +98,7 @@ def main() -> None:
     ]
     text = "\n".join([
         header_line(),
-        f"photos ({train_images} train images), tiny VOLO student, epochs: coarse-to-fine "
+        f"photos ({train_images} train images, seed {args.seed}), tiny VOLO student, epochs: coarse-to-fine "
         f"{EPOCHS['coarse']} @ 48 px + {EPOCHS['fine']} @ 64 px, direct {EPOCHS['direct']} @ 64 px",
         "",
         markdown_table(["run", "top-1 %", "student compute (Gpx)", "student wall time (s)"], rows),

@@ -49,10 +49,21 @@ def run(
     die_with_the_launcher()
     try:
         params = load_params(args.params, check_model_names=check_model_names)
-        main(params, args)
+        _recorded(main)(params, args)
     except UserError as error:
         report_user_error(error)
         sys.exit(USER_ERROR_EXIT)
+
+
+def _recorded(main: Callable[[Params, argparse.Namespace], None]) -> Callable[[Params, argparse.Namespace], None]:
+    """Under torchrun, torch's `record`: a worker's uncaught exception goes to the agent's error file, so a failure
+    that outlasts launch.max_restarts is reported with the failing rank's own traceback (not "error_file: <N/A>").
+    Imported here: the listing stage runs without torch."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return main
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    return record(main)
 
 
 def die_with_the_launcher() -> None:

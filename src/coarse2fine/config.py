@@ -53,10 +53,26 @@ class Section(BaseModel):
 
 
 class Launch(Section):
+    """Where a stage's processes run; coarse2fine.launch turns it into torchrun's arguments. Only the world size
+    (nnodes x nproc_per_node) changes a result, the global batch and so the LR of the training stages, which list
+    both keys; the rest says where the ranks meet and how often torchrun restarts them."""
+
+    # local: this machine starts all nnodes agents' share itself (one node: torchrun --standalone; more: run the
+    # same command on each node, they meet at rdzv_endpoint); slurm: inside an allocation, `srun` starts one
+    # torchrun agent per node and they meet on the allocation's first node (scripts/slurm/).
+    scheduler: Literal["local", "slurm"] = "local"
+    nnodes: int = Field(1, gt=0)
     nproc_per_node: int = Field(1, gt=0)
+    rdzv_endpoint: str = Field("127.0.0.1:29500", pattern=r"^[^\s:]+:\d+$")  # host:port (slurm: its port only)
+    rdzv_id: str = Field("coarse2fine", pattern=r"^[A-Za-z0-9_.-]+$")  # slurm: the job id is appended
+    max_restarts: int = Field(0, ge=0)  # torchrun restarts the whole group after a failure, the stage resumes
     # auto: a GPU per local rank when torch sees any, else the CPU; cuda: a GPU per local rank or exit 2, never the
     # CPU (a driver too old for torch's CUDA build would otherwise train on the CPU); cpu: the CPU even on a GPU node.
     device: Literal["auto", "cuda", "cpu"] = "auto"
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
 
 
 class DigitsSource(Section):
@@ -543,7 +559,7 @@ class Params(Section):
         sections = ("pretrain", "finetune") if self.teacher.mode == "import" else ("teacher", "pretrain", "finetune")
         for name in sections:
             try:
-                getattr(self, name).check_lr_decays(self.launch.nproc_per_node)
+                getattr(self, name).check_lr_decays(self.launch.world_size)
             except ValueError as error:
                 raise ValueError(f"{name}.{error}") from None
         return self

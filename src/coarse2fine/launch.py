@@ -2,6 +2,12 @@
 
 It is torchrun (the same argument parser and elastic launch, in this process), plus what a pipeline stage needs:
 
+- torchrun's options come from the params file's `launch` section (`torchrun_options`; options given before the
+  script override them): one node is `--standalone`, more meet at a c10d rendezvous (run the same command on
+  each node); under `launch.scheduler: slurm` the launcher runs itself once per node with `srun`, all meeting
+  on the allocation's first node, so DVC decides what runs and Slurm and torchrun run it. `max_restarts`
+  restarts the whole group after a failure, and the stage resumes from its checkpoint. With
+  COARSE2FINE_LAUNCH_DRY_RUN=1 in the environment it prints the command it would run instead;
 - the params file (the stage's `--params`, default params.yaml) is validated before any worker starts (the
   model names against timm's registry by the workers);
 - the workers import the code of the tree the launcher was imported from (dvc.yaml runs it with
@@ -18,6 +24,8 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -25,24 +33,64 @@ from pathlib import Path
 from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from coarse2fine import cli
-from coarse2fine.config import load_params
+from coarse2fine import cli, slurm
+from coarse2fine.config import Launch, load_params
 from coarse2fine.errors import UserError
 
 SOURCE_DIR = Path(__file__).resolve().parents[1]  # the `src` directory this package was imported from
+DRY_RUN_ENV = "COARSE2FINE_LAUNCH_DRY_RUN"
+# Set on the srun step: this process is one node's torchrun agent, its options already resolved.
+SLURM_AGENT_ENV = "COARSE2FINE_SLURM_AGENT"
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = torchrun.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    dry_run = os.environ.get(DRY_RUN_ENV) == "1"
     try:
         # Everything but the model names, which need timm imported (2 s, paid again by every worker): the workers
         # check those, and a mistake there still ends the stage with its one line (below).
-        load_params(_params_file(args.training_script_args), check_model_names=False)
+        launch = load_params(_params_file(torchrun.parse_args(argv).training_script_args), check_model_names=False).launch
+        srun = None
+        if launch.scheduler == "slurm" and SLURM_AGENT_ENV not in os.environ:
+            job = slurm.allocation(launch, dry_run=dry_run)
+            agent = [sys.executable, "-m", "coarse2fine.launch", *torchrun_options(launch, job), *argv]
+            srun = slurm.srun_command(launch, job, agent)
+        elif SLURM_AGENT_ENV not in os.environ:
+            argv = [*torchrun_options(launch), *argv]
     except UserError as error:
         cli.print_user_error(error)
         sys.exit(cli.USER_ERROR_EXIT)
-    _quiet_elastic_agent()
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (str(SOURCE_DIR), os.environ.get("PYTHONPATH"))))
+    if dry_run:
+        print(shlex.join(srun or [sys.executable, "-m", "coarse2fine.launch", *argv]), flush=True)
+        return
+    if srun:  # each agent prints its own user errors; srun exits with the highest task's code
+        sys.exit(subprocess.run(srun, env={**os.environ, SLURM_AGENT_ENV: "1"}).returncode)
+    _launch_here(torchrun.parse_args(argv))
+
+
+def torchrun_options(launch: Launch, job: slurm.Allocation | None = None) -> list[str]:
+    """torchrun's arguments for `launch`, in the Slurm allocation `job` if given: one node runs standalone (a free
+    local port); more meet at the c10d rendezvous, hosted by the agent on the endpoint's host."""
+    options = [f"--nnodes={launch.nnodes}", f"--nproc_per_node={launch.nproc_per_node}",
+               f"--max_restarts={launch.max_restarts}"]
+    host, port = launch.rdzv_endpoint.rsplit(":", 1)
+    if job is not None:
+        host, rdzv_id = job.first_node_address, f"{launch.rdzv_id}-{job.job_id}"
+    elif launch.nnodes == 1:
+        return [*options, "--standalone"]
+    else:
+        rdzv_id = launch.rdzv_id
+    return [*options, "--rdzv_backend=c10d", f"--rdzv_endpoint={host}:{port}", f"--rdzv_id={rdzv_id}"]
+
+
+def _launch_here(args: argparse.Namespace) -> None:
+    """torchrun's elastic launch of this node's workers, their user errors as one line each and exit 2."""
+    _quiet_elastic_agent()
+    # torch 2.14 shares the rendezvous' TCP store with the workers across restarts without a per-attempt prefix
+    # (despite its comment in torch/distributed/rendezvous.py), so a restarted group's gloo reads the killed
+    # attempt's addresses and fails "Connection refused". Unshared, rank 0 hosts a fresh store each attempt.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     with tempfile.TemporaryDirectory(prefix="coarse2fine-errors-") as error_dir:
         os.environ[cli.ERROR_DIR_ENV] = error_dir
         try:

@@ -274,7 +274,8 @@ class Trainer:
         return {
             "train_loss": (totals[0] / totals[1]).item(),
             "lr": self._current_lr(),
-            "train_img_per_s": totals[1].item() / seconds,
+            "train_img_per_s": totals[1].item() / seconds,  # global: every rank's images
+            "train_img_per_s_per_rank": totals[1].item() / seconds / self.runtime.world_size,
             "epoch_seconds": seconds,
             **self.objective.target_metrics(distributed.all_reduce_sum),
         }

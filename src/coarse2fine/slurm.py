@@ -1,0 +1,76 @@
+"""What the launcher needs of a Slurm allocation (`launch.scheduler: slurm`): its size, the address of its first
+node (where the c10d rendezvous is hosted) and the `srun` step that starts one torchrun agent per node.
+
+Slurm starts the processes and torchrun runs them, as in torchtitan's and Colossal-AI's multi-node scripts: this
+module only reads what Slurm says (its environment, `scontrol`) and writes the `srun` command.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from coarse2fine.config import Launch
+from coarse2fine.errors import UserError
+
+# Shown in a dry run made outside an allocation, where Slurm has not chosen the nodes yet.
+UNKNOWN_NODE, UNKNOWN_JOB = "FIRST_NODE", "JOB_ID"
+
+
+@dataclass(frozen=True)
+class Allocation:
+    job_id: str
+    nodes: int
+    first_node_address: str
+    cpus_per_task: str | None  # sbatch --cpus-per-task, passed on: srun steps do not all inherit it
+
+
+def allocation(launch: Launch, environ: Mapping[str, str] = os.environ, *, dry_run: bool = False) -> Allocation:
+    """The allocation this process runs in, checked against launch.nnodes."""
+    if "SLURM_JOB_ID" not in environ:
+        if dry_run:
+            return Allocation(UNKNOWN_JOB, launch.nnodes, UNKNOWN_NODE, None)
+        raise UserError(
+            "launch.scheduler: slurm starts the workers with srun inside an allocation, and SLURM_JOB_ID is not "
+            "set: submit scripts/slurm/pipeline.sbatch with sbatch, or set launch.scheduler: local"
+        )
+    nodes = int(environ.get("SLURM_JOB_NUM_NODES") or environ.get("SLURM_NNODES", "1"))
+    if nodes < launch.nnodes:
+        raise UserError(
+            f"launch.nnodes: {launch.nnodes} but Slurm job {environ['SLURM_JOB_ID']} has {nodes} node(s): "
+            f"submit with sbatch --nodes={launch.nnodes}, or lower launch.nnodes"
+        )
+    return Allocation(
+        job_id=environ["SLURM_JOB_ID"],
+        nodes=nodes,
+        first_node_address=_node_address(_first_node(environ["SLURM_JOB_NODELIST"])),
+        cpus_per_task=environ.get("SLURM_CPUS_PER_TASK"),
+    )
+
+
+def srun_command(launch: Launch, job: Allocation, command: list[str]) -> list[str]:
+    """`command` once per node on launch.nnodes nodes of the allocation; a task that fails ends the step."""
+    options = [f"--nodes={launch.nnodes}", f"--ntasks={launch.nnodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
+    if job.cpus_per_task:
+        options.append(f"--cpus-per-task={job.cpus_per_task}")
+    return ["srun", *options, *command]
+
+
+def _first_node(nodelist: str) -> str:
+    return _scontrol("show", "hostnames", nodelist).split()[0]
+
+
+def _node_address(node: str) -> str:
+    """Slurm's NodeAddr of the node (its name unless slurm.conf says otherwise): what the other nodes reach."""
+    found = re.search(r"\bNodeAddr=(\S+)", _scontrol("show", "node", "--oneliner", node))
+    return found.group(1) if found else node
+
+
+def _scontrol(*args: str) -> str:
+    try:
+        return subprocess.run(["scontrol", *args], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as error:
+        raise UserError(f"launch.scheduler: slurm: `scontrol {' '.join(args)}` failed: {error}") from None

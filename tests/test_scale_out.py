@@ -1,0 +1,149 @@
+"""Leaving one machine on the engines users have: params `launch` as torchrun's arguments (one place, the
+launcher), two torchrun agents meeting at a c10d rendezvous, and an elastic restart after a rank is killed.
+Real launcher, real torchrun, real gloo ranks; the pretrain stage itself, on the digits' records."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from coarse2fine import launch, slurm, train
+from coarse2fine.config import Launch
+from conftest import PROJECT_ROOT, make_params
+from test_train import TIMING_METRICS
+
+
+def test_one_local_node_runs_standalone_as_before():
+    assert launch.torchrun_options(Launch(nproc_per_node=2)) == [
+        "--nnodes=1", "--nproc_per_node=2", "--max_restarts=0", "--standalone",
+    ]
+
+
+def test_several_nodes_meet_at_the_c10d_endpoint():
+    options = launch.torchrun_options(Launch(nnodes=2, rdzv_endpoint="node0:29400", rdzv_id="pipe", max_restarts=3))
+    assert options == [
+        "--nnodes=2", "--nproc_per_node=1", "--max_restarts=3",
+        "--rdzv_backend=c10d", "--rdzv_endpoint=node0:29400", "--rdzv_id=pipe",
+    ]
+
+
+def test_in_a_slurm_allocation_they_meet_on_its_first_node_under_the_job_s_id():
+    job = slurm.Allocation(job_id="4242", nodes=2, first_node_address="10.0.0.7", cpus_per_task="16")
+    settings = Launch(scheduler="slurm", nnodes=2, nproc_per_node=8, rdzv_endpoint="ignored:29500")
+    options = launch.torchrun_options(settings, job)
+    assert options[-2:] == ["--rdzv_endpoint=10.0.0.7:29500", "--rdzv_id=coarse2fine-4242"]
+    assert slurm.srun_command(settings, job, ["agent"]) == [
+        "srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "--cpus-per-task=16", "agent",
+    ]
+
+
+def test_slurm_outside_an_allocation_or_too_small_a_one_is_one_line(tmp_path):
+    with pytest.raises(Exception, match="SLURM_JOB_ID is not set"):
+        slurm.allocation(Launch(scheduler="slurm"), {})
+    with pytest.raises(Exception, match=r"launch.nnodes: 4 but Slurm job 7 has 2 node\(s\).*--nodes=4"):
+        slurm.allocation(Launch(scheduler="slurm", nnodes=4), {"SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "2"})
+
+
+def test_the_dry_run_prints_the_command_given_options_override_params(tmp_path):
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({"launch": {"nnodes": 2, "rdzv_endpoint": "node0:29400"}}))
+    env = {**os.environ, launch.DRY_RUN_ENV: "1"}
+    command = [sys.executable, "-m", "coarse2fine.launch", "--max_restarts=2", "stages/pretrain.py", "--params", str(params)]
+    printed = subprocess.run(command, env=env, cwd=PROJECT_ROOT, capture_output=True, text=True, check=True).stdout
+    assert "--nnodes=2 --nproc_per_node=1 --max_restarts=0 --rdzv_backend=c10d --rdzv_endpoint=node0:29400" in printed
+    assert printed.rstrip().endswith(f"--max_restarts=2 stages/pretrain.py --params {params}")
+
+
+# ------------------------------------------------------------------------------------------ real runs (slow)
+
+PRETRAIN = {"epochs": 2, "batch_size": 16, "token_label": {"enabled": False}}
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def start_pretrain(out: Path, records: Path, launch_settings: dict) -> subprocess.Popen:
+    """The pretrain stage through the launcher, as dvc.yaml runs it, with its own params file and outputs.
+    One thread per rank everywhere, so that every layout computes with the same kernels."""
+    out.mkdir(parents=True, exist_ok=True)
+    params = out / "params.yaml"
+    params.write_text(yaml.safe_dump({"data": {"source": "digits"}, "launch": launch_settings, "pretrain": PRETRAIN}))
+    command = [
+        sys.executable, "-m", "coarse2fine.launch", "stages/pretrain.py", "--params", str(params),
+        "--records", str(records), "--token-labels", str(out / "no_labels"), "--checkpoint-dir", str(out / "ckpt"),
+        "--out", str(out / "model"), "--metrics", str(out / "metrics"),
+    ]
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{out / 'mlflow.db'}", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(PROJECT_ROOT / "src")}
+    return subprocess.Popen(command, cwd=PROJECT_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+def finish(process: subprocess.Popen) -> str:
+    try:
+        stdout, stderr = process.communicate(timeout=600)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 0, stderr[-3000:]
+    return stdout
+
+
+def outcome(out: Path) -> tuple[dict, dict]:
+    weights = torch.load(out / "model" / "model.pt", weights_only=True)["model"]
+    metrics = json.loads((out / "metrics" / "metrics.json").read_text())
+    return weights, {key: value for key, value in metrics.items() if key not in TIMING_METRICS}
+
+
+@pytest.fixture(scope="module")
+def one_node_two_ranks(digits_records, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("one_node")
+    finish(start_pretrain(out, digits_records, {"nproc_per_node": 2}))
+    return out
+
+
+@pytest.mark.slow
+def test_two_agents_at_a_c10d_rendezvous_train_as_one_node_with_two_ranks(one_node_two_ranks, digits_records, tmp_path):
+    settings = {"nnodes": 2, "nproc_per_node": 1, "rdzv_endpoint": f"127.0.0.1:{free_port()}", "rdzv_id": "test"}
+    agents = [start_pretrain(tmp_path, digits_records, settings) for _ in range(2)]
+    outputs = [finish(agent) for agent in agents]
+    assert sum("global batch 32 = 16 per device x 1 accumulated x 2 ranks" in text for text in outputs) == 1
+    weights, metrics = outcome(tmp_path)
+    reference_weights, reference_metrics = outcome(one_node_two_ranks)
+    torch.testing.assert_close(weights, reference_weights, rtol=0, atol=0)
+    assert metrics == reference_metrics
+
+
+@pytest.mark.slow
+def test_a_killed_rank_is_restarted_and_the_stage_ends_as_if_uninterrupted(one_node_two_ranks, digits_records, tmp_path):
+    process = start_pretrain(tmp_path, digits_records, {"nproc_per_node": 2, "max_restarts": 1})
+    checkpoint = tmp_path / "ckpt" / train.CHECKPOINT_FILE
+    deadline = time.monotonic() + 600
+    while not checkpoint.exists():  # epoch 1 is saved: kill a rank while epoch 2 trains
+        assert process.poll() is None, process.communicate(timeout=60)[1][-3000:]
+        assert time.monotonic() < deadline, "no checkpoint after 600 s"
+        time.sleep(0.05)
+    killed_at = torch.load(checkpoint, weights_only=True)["epoch"]
+    # The launcher is the torchrun agent: its children are the ranks.
+    ranks = subprocess.run(["pgrep", "-P", str(process.pid)], capture_output=True, text=True).stdout.split()
+    assert len(ranks) == 2
+    os.kill(int(ranks[-1]), signal.SIGKILL)
+    stdout = finish(process)
+    assert killed_at == 1 and "resumed from epoch 1" in stdout
+    weights, metrics = outcome(tmp_path)
+    reference_weights, reference_metrics = outcome(one_node_two_ranks)
+    torch.testing.assert_close(weights, reference_weights, rtol=0, atol=0)
+    assert metrics == reference_metrics

@@ -13,7 +13,7 @@ export PATH := $(CURDIR)/$(BIN):$(PATH)
 PLOTS_TEMPLATE := .dvc/plots_offline.html
 NPM_CI := npm ci --prefix docs --ignore-scripts --omit=optional --no-audit --no-fund
 
-.PHONY: setup repro test bench ablation screenshot ui sweep clean-venv
+.PHONY: setup repro test slurm bench ablation screenshot ui sweep clean-venv
 
 setup: $(STAMP) $(PLOTS_TEMPLATE)
 
@@ -31,8 +31,15 @@ $(PLOTS_TEMPLATE): docs/package-lock.json docs/plots_template.mjs
 repro: setup
 	$(BIN)/dvc repro
 
-test: setup
+test: setup slurm
 	$(BIN)/python -m pytest
+
+# tests/test_slurm.py runs the pipeline on a real Slurm started on this machine: Debian's slurm-wlm and munge,
+# installed here when missing and we are root (elsewhere, or if apt fails, that test says why it is skipped).
+slurm:
+	@if [ "$$(id -u)" = 0 ] && ! { test -x /usr/sbin/slurmctld && test -x /usr/sbin/munged; }; then \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge >/dev/null; } \
+	  || echo "warning: could not install slurm-wlm and munge: tests/test_slurm.py's sbatch test is skipped" >&2; fi
 
 # e.g. make bench BENCH_ARGS="--timm-repo ../pytorch-image-models" (see python bench/run_all.py --help)
 bench: setup

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -113,6 +114,17 @@ def fit_head_by_least_squares(model: torch.nn.Module, batches: list[dict]) -> No
         model.head.bias.copy_(one_hot.mean(dim=0) - weight @ mean)
         model.aux_head.weight.zero_()
         model.aux_head.bias.zero_()
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct TCP ports free on 127.0.0.1 right now (for rendezvous and daemons started next)."""
+    sockets = [socket.socket() for _ in range(count)]
+    for probe in sockets:
+        probe.bind(("127.0.0.1", 0))
+    ports = [probe.getsockname()[1] for probe in sockets]
+    for probe in sockets:
+        probe.close()
+    return ports
 
 
 def merge(base: dict, change: dict) -> dict:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ import yaml
 
 from coarse2fine import launch, slurm, train
 from coarse2fine.config import Launch
-from conftest import PROJECT_ROOT, make_params
+from conftest import PROJECT_ROOT, Project, free_ports
 from test_train import TIMING_METRICS
 
 
@@ -69,12 +68,6 @@ def test_the_dry_run_prints_the_command_given_options_override_params(tmp_path):
 PRETRAIN = {"epochs": 2, "batch_size": 16, "token_label": {"enabled": False}}
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def start_pretrain(out: Path, records: Path, launch_settings: dict) -> subprocess.Popen:
     """The pretrain stage through the launcher, as dvc.yaml runs it, with its own params file and outputs.
     One thread per rank everywhere, so that every layout computes with the same kernels."""
@@ -117,7 +110,7 @@ def one_node_two_ranks(digits_records, tmp_path_factory) -> Path:
 
 @pytest.mark.slow
 def test_two_agents_at_a_c10d_rendezvous_train_as_one_node_with_two_ranks(one_node_two_ranks, digits_records, tmp_path):
-    settings = {"nnodes": 2, "nproc_per_node": 1, "rdzv_endpoint": f"127.0.0.1:{free_port()}", "rdzv_id": "test"}
+    settings = {"nnodes": 2, "nproc_per_node": 1, "rdzv_endpoint": f"127.0.0.1:{free_ports(1)[0]}", "rdzv_id": "test"}
     agents = [start_pretrain(tmp_path, digits_records, settings) for _ in range(2)]
     outputs = [finish(agent) for agent in agents]
     assert sum("global batch 32 = 16 per device x 1 accumulated x 2 ranks" in text for text in outputs) == 1
@@ -147,3 +140,21 @@ def test_a_killed_rank_is_restarted_and_the_stage_ends_as_if_uninterrupted(one_n
     reference_weights, reference_metrics = outcome(one_node_two_ranks)
     torch.testing.assert_close(weights, reference_weights, rtol=0, atol=0)
     assert metrics == reference_metrics
+
+
+@pytest.mark.slow
+def test_a_failure_that_repeats_ends_the_stage_with_the_failing_rank_s_own_error(digits_records, tmp_path):
+    """Restarted once, failing again: torchrun's report names the rank and holds its traceback (workers record
+    their errors), after the second attempt."""
+    project = Project(tmp_path / "project")
+    (project.path / "data").mkdir()
+    (project.path / "data/records").symlink_to(digits_records)
+    project.edit_code("stages/pretrain.py", "    paths = StudentPaths(", "    if os.environ['RANK'] == '1':\n"
+                      "        raise RuntimeError('rank 1 cannot go on')\n    paths = StudentPaths(")
+    project.edit_code("stages/pretrain.py", "import argparse\n", "import argparse\nimport os\n")
+    project.edit_params({"launch": {"nproc_per_node": 2, "max_restarts": 1}})
+    result = subprocess.run(project.stage_command("pretrain"), shell=True, cwd=project.path, env=project.env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1
+    assert "RuntimeError: rank 1 cannot go on" in result.stderr
+    assert "rank      : 1 (local_rank: 1)" in result.stderr and "attempt_1" in result.stderr

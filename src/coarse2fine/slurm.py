@@ -7,9 +7,11 @@ module only reads what Slurm says (its environment, `scontrol`) and writes the `
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import subprocess
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -59,6 +61,29 @@ def srun_command(launch: Launch, job: Allocation, command: list[str]) -> list[st
     return ["srun", *options, *command]
 
 
+def dry_run(argv: list[str] | None = None) -> None:
+    """`python -m coarse2fine.slurm [TARGETS] [--single-item]` (scripts/slurm/pipeline.sbatch --dry-run): the
+    command of each stage `dvc repro` would consider, in run order, each launcher's as the srun step it starts
+    here (outside an allocation its first node and job id are placeholders). Nothing is run or written."""
+    parser = argparse.ArgumentParser(description=dry_run.__doc__.splitlines()[0])
+    parser.add_argument("targets", nargs="*")
+    parser.add_argument("-s", "--single-item", action="store_true")
+    args = parser.parse_args(argv)
+    import networkx
+    from dvc.repo import Repo
+
+    with Repo() as repo:
+        graph = repo.index.graph  # an edge runs from a stage to a stage it depends on
+        wanted = {stage for target in args.targets for stage in repo.stage.collect(target, with_deps=not args.single_item)}
+        commands = [stage.cmd for stage in reversed(list(networkx.topological_sort(graph)))
+                    if stage.cmd and (not args.targets or stage in wanted)]
+    for command in commands:
+        if "coarse2fine.launch" in command:  # the launcher prints its srun line (COARSE2FINE_LAUNCH_DRY_RUN)
+            subprocess.run(command, shell=True, check=True, env={**os.environ, "COARSE2FINE_LAUNCH_DRY_RUN": "1"})
+        else:  # the listing stage: plain python, on the first node
+            print(command, flush=True)
+
+
 def _first_node(nodelist: str) -> str:
     return _scontrol("show", "hostnames", nodelist).split()[0]
 
@@ -74,3 +99,10 @@ def _scontrol(*args: str) -> str:
         return subprocess.run(["scontrol", *args], capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError) as error:
         raise UserError(f"launch.scheduler: slurm: `scontrol {' '.join(args)}` failed: {error}") from None
+
+
+if __name__ == "__main__":
+    try:
+        dry_run()
+    except subprocess.CalledProcessError as failure:
+        sys.exit(failure.returncode)

@@ -14,7 +14,9 @@ from coarse2fine.config import Params
 from coarse2fine.student import StudentPaths, train_student
 
 # What this stage reads (as dvc.yaml lists it); tracked in MLflow, and a checkpoint under others is not resumed.
-PARAM_SECTIONS = ("seed", "launch.nnodes", "launch.nproc_per_node", "model", "pretrain", "loader.backend", "augment")
+PARAM_SECTIONS = (
+    "seed", "launch.nnodes", "launch.nproc_per_node", "parallel", "model", "pretrain", "loader.backend", "augment",
+)
 
 
 def main(params: Params, args: argparse.Namespace) -> None:

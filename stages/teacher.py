@@ -17,7 +17,9 @@ from coarse2fine.evaluate import evaluate
 from coarse2fine.tracking import Tracker
 
 # What this stage reads (as dvc.yaml lists it); tracked in MLflow, and a checkpoint under others is not resumed.
-PARAM_SECTIONS = ("seed", "launch.nnodes", "launch.nproc_per_node", "teacher", "loader.backend", "augment")
+PARAM_SECTIONS = (
+    "seed", "launch.nnodes", "launch.nproc_per_node", "parallel", "teacher", "loader.backend", "augment",
+)
 
 
 def main(params: Params, args: argparse.Namespace) -> None:

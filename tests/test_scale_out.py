@@ -18,7 +18,7 @@ import yaml
 
 from coarse2fine import launch, slurm, train
 from coarse2fine.config import Launch
-from conftest import PROJECT_ROOT, Project, free_ports
+from conftest import PROJECT_ROOT, Project, free_ports, merge
 from test_train import TIMING_METRICS
 
 
@@ -68,12 +68,13 @@ def test_the_dry_run_prints_the_command_given_options_override_params(tmp_path):
 PRETRAIN = {"epochs": 2, "batch_size": 16, "token_label": {"enabled": False}}
 
 
-def start_pretrain(out: Path, records: Path, launch_settings: dict) -> subprocess.Popen:
-    """The pretrain stage through the launcher, as dvc.yaml runs it, with its own params file and outputs.
-    One thread per rank everywhere, so that every layout computes with the same kernels."""
+def start_pretrain(out: Path, records: Path, launch_settings: dict, changes: dict | None = None) -> subprocess.Popen:
+    """The pretrain stage through the launcher, as dvc.yaml runs it, with its own params file (`changes` merged
+    in) and outputs. One thread per rank everywhere, so that every layout computes with the same kernels."""
     out.mkdir(parents=True, exist_ok=True)
     params = out / "params.yaml"
-    params.write_text(yaml.safe_dump({"data": {"source": "digits"}, "launch": launch_settings, "pretrain": PRETRAIN}))
+    settings = {"data": {"source": "digits"}, "launch": launch_settings, "pretrain": dict(PRETRAIN)}
+    params.write_text(yaml.safe_dump(merge(settings, changes or {})))
     command = [
         sys.executable, "-m", "coarse2fine.launch", "stages/pretrain.py", "--params", str(params),
         "--records", str(records), "--token-labels", str(out / "no_labels"), "--checkpoint-dir", str(out / "ckpt"),

@@ -75,6 +75,13 @@ class Launch(Section):
         return self.nnodes * self.nproc_per_node
 
 
+class Parallel(Section):
+    """How a training stage (teacher, pretrain, finetune) spreads its model over the ranks (coarse2fine.parallel):
+    ddp, a whole model per rank, or fsdp, FSDP2's fully_shard per block with DCP checkpoints."""
+
+    strategy: Literal["ddp", "fsdp"] = "ddp"
+
+
 class DigitsSource(Section):
     size: int = Field(32, ge=8)  # side of the written images (load_digits is 8x8, upsampled bicubic)
     val_fraction: float = Field(0.2, gt=0, lt=1)
@@ -522,6 +529,7 @@ class Tracking(Section):
 class Params(Section):
     seed: int = Field(0, ge=0)
     launch: Launch = Launch()
+    parallel: Parallel = Parallel()
     data: Data = Data()
     loader: Loader = Loader()
     augment: Augment = Augment()
@@ -562,6 +570,21 @@ class Params(Section):
                 getattr(self, name).check_lr_decays(self.launch.world_size)
             except ValueError as error:
                 raise ValueError(f"{name}.{error}") from None
+        return self
+
+    @model_validator(mode="after")
+    def _fsdp_trains_what_it_can(self) -> Params:
+        if self.parallel.strategy != "fsdp":
+            return self
+        sections = ("pretrain", "finetune") if self.teacher.mode == "import" else ("teacher", "pretrain", "finetune")
+        for name in sections:
+            cfg = getattr(self, name)
+            # The EMA's copy of a sharded model would need sharding of its own; fp16's loss scaler unscales
+            # gradients that are DTensors under FSDP, which nothing here has run. bf16 needs no scaler.
+            if cfg.ema.enabled:
+                raise ValueError(f"{name}.ema.enabled: not with parallel.strategy fsdp (use ddp, or turn the EMA off)")
+            if cfg.precision == "fp16":
+                raise ValueError(f"{name}.precision: fp16 is not supported with parallel.strategy fsdp: use bf16")
         return self
 
     @model_validator(mode="after")

@@ -49,7 +49,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         # Everything but the model names, which need timm imported (2 s, paid again by every worker): the workers
         # check those, and a mistake there still ends the stage with its one line (below).
-        launch = load_params(_params_file(torchrun.parse_args(argv).training_script_args), check_model_names=False).launch
+        params_file = _params_file(torchrun.parse_args(argv).training_script_args)
+        launch = load_params(params_file, check_model_names=False).launch
         srun = None
         if launch.scheduler == "slurm" and SLURM_AGENT_ENV not in os.environ:
             job = slurm.allocation(launch, dry_run=dry_run)

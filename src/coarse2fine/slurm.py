@@ -74,7 +74,9 @@ def dry_run(argv: list[str] | None = None) -> None:
 
     with Repo() as repo:
         graph = repo.index.graph  # an edge runs from a stage to a stage it depends on
-        wanted = {stage for target in args.targets for stage in repo.stage.collect(target, with_deps=not args.single_item)}
+        wanted = {
+            stage for target in args.targets for stage in repo.stage.collect(target, with_deps=not args.single_item)
+        }
         commands = [stage.cmd for stage in reversed(list(networkx.topological_sort(graph)))
                     if stage.cmd and (not args.targets or stage in wanted)]
     for command in commands:

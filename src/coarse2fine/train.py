@@ -1,6 +1,7 @@
 """The one training loop, shared by every training stage (the teacher, pre-training and fine-tuning).
 
-Per optimizer update: `accum_steps` micro-batches through DDP (gradients all-reduced only on the last one),
+Per optimizer update: `accum_steps` micro-batches through DDP or FSDP2 (coarse2fine.parallel: the component
+the Trainer is given; gradients reduced only on the last micro-batch),
 optional clipping, the optimizer step, the per-update LR schedule and the EMA. Per epoch: validation,
 metrics, and a checkpoint that makes a killed run resumable with bit-identical results on CPU.
 The objective (losses.py) is given by the stage: label-smoothed cross-entropy on the ground truth by default,
@@ -12,7 +13,8 @@ Checkpoint (`<checkpoint_dir>/last.pt`, rewritten atomically after every epoch, 
     epoch      epochs completed = the next epoch to run; also the loaders' whole state, since their
                stream is a function of (seed, epoch, rank, world)
     updates    optimizer updates so far (the scheduler's and the EMA's clock)
-    model, optimizer, scheduler, scaler, ema    state dicts (ema: None when off)
+    model, optimizer, scheduler, scaler, ema    state dicts (ema: None when off); under FSDP `sharded` instead
+               of model and optimizer: the DCP directory beside the file holding them (coarse2fine.parallel)
     rng        one entry per rank: torch / numpy / random (/ cuda) generator states
     run_id     the MLflow run, reopened on resume
     history    every finished epoch's metrics: a resumed run rebuilds its DVCLive curves from them (DVC deletes
@@ -34,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import math
 import random
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
@@ -46,9 +49,8 @@ from timm.scheduler import CosineLRScheduler, PolyLRScheduler
 from timm.scheduler.scheduler import Scheduler
 from timm.utils import ModelEmaV3, distribute_bn
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
-from coarse2fine import config, distributed, losses, models
+from coarse2fine import config, distributed, losses, models, parallel
 from coarse2fine.data import records
 from coarse2fine.data.loaders import eval_transform
 from coarse2fine.distributed import Runtime
@@ -142,6 +144,7 @@ class Trainer:
         objective: Objective | None = None,
         model_cfg: config.Model | None = None,
         records_dir: Path | None = None,
+        parallelism: parallel.Parallelism | None = None,
     ):
         self.stage, self.params, self.cfg, self.runtime = stage, params, cfg, runtime
         self.classes = list(classes)
@@ -153,15 +156,15 @@ class Trainer:
         self.records_dir = records_dir
         self.model_cfg = model_cfg or params.model  # what the model file records as the architecture
 
+        self.autocast_dtype = runtime.autocast_dtype(cfg.precision)
+        # DDP or FSDP (params parallel.strategy): the loop below is the same under both.
+        self.parallel = parallelism or parallel.build(params.parallel.strategy, runtime, self.autocast_dtype)
         self.model = runtime.place(model)
+        self.parallel.shard(self.model)
         train_forward = models.TrainForward(self.model)
         if cfg.compile:  # the training forward only (validation and the saved model stay the eager module)
             train_forward = torch.compile(train_forward)
-        if dist.is_initialized():
-            device_ids = [runtime.device.index] if runtime.is_cuda else None  # CPU modules must get None
-            self.train_forward = DistributedDataParallel(train_forward, device_ids=device_ids)
-        else:
-            self.train_forward = train_forward
+        self.train_forward = self.parallel.wrap(train_forward)
 
         self.global_batch = cfg.global_batch(runtime.world_size)
         try:  # params.yaml was checked at launch.nproc_per_node ranks; this is the world the launcher gave
@@ -173,7 +176,6 @@ class Trainer:
         self.updates_per_epoch = math.ceil(len(train_loader) / cfg.accum_steps)
         self.scheduler = build_scheduler(self.optimizer, cfg, self.updates_per_epoch)
         self.objective = objective or losses.GroundTruthObjective.from_params(cfg, len(self.classes))
-        self.autocast_dtype = runtime.autocast_dtype(cfg.precision)
         # Only fp16 needs loss scaling; a disabled scaler passes everything straight through.
         self.scaler = torch.amp.GradScaler(runtime.device.type, enabled=self.autocast_dtype == torch.float16)
         self.ema = ModelEmaV3(self.model, decay=cfg.ema.decay) if cfg.ema.enabled else None
@@ -214,29 +216,32 @@ class Trainer:
                     f"val top-1 {metrics['val_top1']:.2f} % top-5 {metrics['val_top5']:.2f} %, lr {metrics['lr']:.3g}, "
                     f"{metrics['train_img_per_s']:.0f} img/s, {metrics['epoch_seconds']:.1f} s"
                 )
+            final = self.eval_model  # under FSDP a collective: every rank gathers
             if self.runtime.is_main:
                 card = models.save_model_file(
-                    self.model_file, self.eval_model,
+                    self.model_file, final,
                     model_cfg=self.model_cfg, img_size=self.cfg.img_size, classes=self.classes, stage=self.stage,
                     eval_transform=eval_transform(
                         self.cfg.img_size, self.cfg.val_crop_pct, self.params.augment.interpolation
                     ),
                 )
                 tracker.tag_written_model(self.model_file)
-                tracker.log_model(self.eval_model, card)
+                tracker.log_model(final, card)
             tracker.log_curves()
             for name in (records.CLASSES_FILE, records.MANIFEST_FILE) if self.records_dir else ():
                 tracker.log_artifact(self.records_dir / name)
         if self.runtime.is_main:  # the outputs are written: DVC's cache keeps the result from here on
             self.checkpoint_path.unlink(missing_ok=True)
+            for shards in self.checkpoint_path.parent.glob(f"{parallel.SHARDS_PREFIX}*"):
+                shutil.rmtree(shards)
             with contextlib.suppress(OSError):  # the dir, if nothing else is in it
                 self.checkpoint_path.parent.rmdir()
         return history[-1] if history else {}
 
     @property
     def eval_model(self) -> nn.Module:
-        """What is validated and saved: the EMA weights when EMA is on."""
-        return self.ema.module if self.ema else self.model
+        """What is validated and saved, as a plain module: the EMA weights when EMA is on."""
+        return self.parallel.whole(self.ema.module if self.ema else self.model)
 
     def _train_epoch(self, epoch: int) -> dict[str, float]:
         self.train_loader.set_epoch(epoch)
@@ -283,11 +288,10 @@ class Trainer:
     def backward(self, batch: dict[str, torch.Tensor], micro_steps: int, sync: bool) -> torch.Tensor:
         """Accumulate the gradient of one micro-batch (1/micro_steps of the update); returns its detached loss.
 
-        Without `sync`, DDP skips the all-reduce (no_sync): the gradients are only averaged across ranks
-        once, on the update's last micro-batch.
+        Without `sync`, the gradients are not reduced across ranks (DDP's no_sync, FSDP's
+        set_requires_gradient_sync): only once, on the update's last micro-batch.
         """
-        skip_sync = not sync and isinstance(self.train_forward, DistributedDataParallel)
-        with self.train_forward.no_sync() if skip_sync else contextlib.nullcontext():
+        with self.parallel.gradient_sync(self.train_forward, sync):
             dtype = self.autocast_dtype
             batch = self.objective.prepare(batch)
             with torch.autocast(self.runtime.device.type, dtype=dtype, enabled=dtype is not None):
@@ -321,15 +325,15 @@ class Trainer:
     # ------------------------------------------------------------------------------------------ checkpoints
 
     def save_checkpoint(self, epochs_done: int, history: Sequence[dict[str, float]], run_id: str | None) -> None:
-        rng = distributed.all_gather_objects(_rng_state(self.runtime))  # a collective: every rank calls it
+        rng = distributed.all_gather_objects(_rng_state(self.runtime))  # collectives: every rank calls them
+        weights = self.parallel.save_state(self.model, self.optimizer, self.checkpoint_path.parent, epochs_done)
         if not self.runtime.is_main:
             return
         models.atomic_save(
             {
                 "epoch": epochs_done,
                 "updates": self.updates,
-                "model": self.model.state_dict(),
-                "optimizer": self.optimizer.state_dict(),
+                **weights,
                 "scheduler": self.scheduler.state_dict(),
                 "scaler": self.scaler.state_dict(),
                 "ema": self.ema.module.state_dict() if self.ema else None,
@@ -357,8 +361,7 @@ class Trainer:
         if changed:
             self._print(f"ignoring {self.checkpoint_path}, written under other {', '.join(changed)}: starting afresh")
             return None
-        self.model.load_state_dict(checkpoint["model"])
-        self.optimizer.load_state_dict(checkpoint["optimizer"])
+        self.parallel.load_state(self.model, self.optimizer, checkpoint, self.checkpoint_path.parent)
         self.scheduler.load_state_dict(checkpoint["scheduler"])
         self.scaler.load_state_dict(checkpoint["scaler"])
         if self.ema:

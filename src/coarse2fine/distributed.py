@@ -163,6 +163,12 @@ def group_backend(device: torch.device) -> str:
     return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
 
 
+def ensure_process_group(device: torch.device) -> None:
+    """A group even in a world of one, where init() joins none (FSDP's device mesh needs one); shutdown() ends it."""
+    if not dist.is_initialized():
+        dist.init_process_group(group_backend(device), store=dist.HashStore(), rank=0, world_size=1)
+
+
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -189,6 +195,13 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     if dist.is_initialized():
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
+
+
+def broadcast_tensors(tensors: list[torch.Tensor], src: int = 0) -> None:
+    """Overwrite every rank's `tensors` (in place) with rank `src`'s; a no-op in a world of one."""
+    if dist.is_initialized():
+        for tensor in tensors:
+            dist.broadcast(tensor.data, src=src)
 
 
 def all_gather_objects(obj: Any) -> list[Any]:

@@ -28,7 +28,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from coarse2fine.distributed import Runtime, group_backend
+from coarse2fine import distributed
+from coarse2fine.distributed import Runtime
 
 SHARDS_PREFIX = "shards-"  # beside the checkpoint file: DCP's files under FSDP, one directory per epoch
 
@@ -103,12 +104,10 @@ class FullyShard:
     def shard(self, model: nn.Module) -> None:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
-        if not dist.is_initialized():  # a world of one (torchrun joins no group for it): FSDP still needs a mesh
-            backend = group_backend(self.runtime.device)
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        distributed.ensure_process_group(self.runtime.device)
         # Ranks seed differently (their own drop-path masks) and so build different weights: start from rank 0's,
         # as DistributedDataParallel's constructor does.
-        _broadcast([*model.parameters(), *model.buffers()])
+        distributed.broadcast_tensors([*model.parameters(), *model.buffers()])
         self.replica = copy.deepcopy(model)  # plain: validation and export load the gathered weights into it
         policy = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=torch.float32)
         for block in blocks(model):
@@ -122,7 +121,7 @@ class FullyShard:
         statistics; the Trainer averages them at the epoch's end."""
         buffers = list(train_forward.buffers())
         if buffers and dist.get_world_size() > 1:
-            train_forward.register_forward_pre_hook(lambda module, args: _broadcast(buffers))
+            train_forward.register_forward_pre_hook(lambda module, args: distributed.broadcast_tensors(buffers))
         return train_forward
 
     def gradient_sync(self, train_forward: nn.Module, enabled: bool) -> ContextManager:
@@ -149,9 +148,9 @@ class FullyShard:
             named = sorted(checkpoint_dir.glob(f"{SHARDS_PREFIX}*[0-9]"), key=lambda path: int(path.name.split("-")[1]))
             for stale in [*named[:-1], *checkpoint_dir.glob(f"{SHARDS_PREFIX}*.partial")]:
                 shutil.rmtree(stale, ignore_errors=True)
-        _barrier()
+        distributed.barrier()
         dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=partial)
-        _barrier()
+        distributed.barrier()
         if self.runtime.is_main:
             shutil.rmtree(checkpoint_dir / name, ignore_errors=True)
             partial.rename(checkpoint_dir / name)
@@ -198,13 +197,3 @@ def _requires_gradient_sync(train_forward: nn.Module, enabled: bool) -> Iterator
     finally:
         for module in modules:
             module.set_requires_gradient_sync(True, recurse=False)
-
-
-def _broadcast(tensors: list[torch.Tensor]) -> None:
-    for tensor in tensors:
-        dist.broadcast(tensor.data, src=0)
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()

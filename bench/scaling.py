@@ -4,8 +4,9 @@ would), all through the launcher as dvc.yaml runs the stage, on the same records
 
 Each layout's figure is its last epoch's `train_img_per_s` (every rank's images per second) and
 `train_img_per_s_per_rank` from the stage's metrics; the layouts run one after another, in rotating order over
---repeats, and the table gives medians and the ratio to one process. On a machine with fewer cores than ranks x
-threads the ranks only split the same cores: the ratio measures the overhead of the collectives, not a speed-up.
+--repeats, and the table gives medians and the ratio to one process. Every layout gets all the machine's cores
+(OMP_NUM_THREADS = cores / ranks): on one machine the ranks split the same cores, so the ratio measures what
+data parallelism costs or gains over intra-op threads there, not how it scales across machines.
 
 Run: python bench/scaling.py [--epochs N] [--repeats R] [--workdir DIR] [--json PATH]
 """
@@ -62,8 +63,10 @@ def run_layout(project: ProjectCopy, name: str, epochs: int, out: Path) -> dict:
         "--records", "data/records", "--token-labels", str(out / "none"), "--checkpoint-dir", str(out / "ckpt"),
         "--out", str(out / "model"), "--metrics", str(out / "metrics"),
     ]
+    world = launch.get("nnodes", 1) * launch["nproc_per_node"]  # every rank runs on this machine
+    threads = max(1, (os.cpu_count() or 1) // world)  # each layout uses all the cores, split between its ranks
     env = {**project.env, "MLFLOW_TRACKING_URI": f"sqlite:///{out / 'mlflow.db'}", "PYTHONPATH": "src",
-           "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // 2))}  # the cores split between 2 ranks in all
+           "OMP_NUM_THREADS": str(threads)}
     agents = [subprocess.Popen(command, cwd=project.path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                text=True) for _ in range(launch.get("nnodes", 1))]
     for agent in agents:

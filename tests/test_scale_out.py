@@ -37,7 +37,7 @@ def test_several_nodes_meet_at_the_c10d_endpoint():
 
 
 def test_in_a_slurm_allocation_they_meet_on_its_first_node_under_the_job_s_id():
-    job = slurm.Allocation(job_id="4242", nodes=2, first_node_address="10.0.0.7", cpus_per_task="16")
+    job = slurm.Allocation(job_id="4242", first_node_address="10.0.0.7", cpus_per_task="16")
     settings = Launch(scheduler="slurm", nnodes=2, nproc_per_node=8, rdzv_endpoint="ignored:29500")
     options = launch.torchrun_options(settings, job)
     assert options[-2:] == ["--rdzv_endpoint=10.0.0.7:29500", "--rdzv_id=coarse2fine-4242"]
@@ -56,7 +56,7 @@ def test_slurm_outside_an_allocation_or_too_small_a_one_is_one_line(tmp_path):
 def test_the_dry_run_prints_the_command_given_options_override_params(tmp_path):
     params = tmp_path / "params.yaml"
     params.write_text(yaml.safe_dump({"launch": {"nnodes": 2, "rdzv_endpoint": "node0:29400"}}))
-    env = {**os.environ, launch.DRY_RUN_ENV: "1"}
+    env = {**os.environ, slurm.DRY_RUN_ENV: "1"}
     command = [sys.executable, "-m", "coarse2fine.launch", "--max_restarts=2", "stages/pretrain.py", "--params", str(params)]
     printed = subprocess.run(command, env=env, cwd=PROJECT_ROOT, capture_output=True, text=True, check=True).stdout
     assert "--nnodes=2 --nproc_per_node=1 --max_restarts=0 --rdzv_backend=c10d --rdzv_endpoint=node0:29400" in printed

@@ -38,14 +38,13 @@ from coarse2fine.config import Launch, load_params
 from coarse2fine.errors import UserError
 
 SOURCE_DIR = Path(__file__).resolve().parents[1]  # the `src` directory this package was imported from
-DRY_RUN_ENV = "COARSE2FINE_LAUNCH_DRY_RUN"
 # Set on the srun step: this process is one node's torchrun agent, its options already resolved.
 SLURM_AGENT_ENV = "COARSE2FINE_SLURM_AGENT"
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    dry_run = os.environ.get(DRY_RUN_ENV) == "1"
+    dry_run = os.environ.get(slurm.DRY_RUN_ENV) == "1"
     try:
         # Everything but the model names, which need timm imported (2 s, paid again by every worker): the workers
         # check those, and a mistake there still ends the stage with its one line (below).

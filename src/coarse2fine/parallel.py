@@ -1,5 +1,5 @@
-"""How the Trainer spreads its model over the ranks (params `parallel.strategy`): a component it is given, so that
-its loop is the same under every strategy (torchtitan's parallelize step).
+"""How the Trainer spreads its model over the ranks (params `parallel.strategy`): a component it holds, so that its
+loop is the same under every strategy (torchtitan's parallelize step).
 
 - `DataParallel` (ddp, the default): every rank holds the whole model; DistributedDataParallel averages the
   gradients, skipped (`no_sync`) on the micro-batches an accumulated update does not end with. Checkpoints hold
@@ -119,8 +119,9 @@ class FullyShard:
     def wrap(self, train_forward: nn.Module) -> nn.Module:
         """BatchNorm as under DDP (its broadcast_buffers): every training forward starts from rank 0's running
         statistics; the Trainer averages them at the epoch's end."""
-        buffers = list(train_forward.buffers())
-        if buffers and dist.get_world_size() > 1:
+        buffers = [buffer for module in train_forward.modules() if isinstance(module, nn.modules.batchnorm._BatchNorm)
+                   for buffer in (module.running_mean, module.running_var) if buffer is not None]
+        if buffers and self.runtime.world_size > 1:
             train_forward.register_forward_pre_hook(lambda module, args: distributed.broadcast_tensors(buffers))
         return train_forward
 

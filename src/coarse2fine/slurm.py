@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from coarse2fine.config import Launch
 from coarse2fine.errors import UserError
 
+# Set, the launcher prints the command it would run instead of running it (the batch script's dry run).
+DRY_RUN_ENV = "COARSE2FINE_LAUNCH_DRY_RUN"
 # Shown in a dry run made outside an allocation, where Slurm has not chosen the nodes yet.
 UNKNOWN_NODE, UNKNOWN_JOB = "FIRST_NODE", "JOB_ID"
 
@@ -25,7 +27,6 @@ UNKNOWN_NODE, UNKNOWN_JOB = "FIRST_NODE", "JOB_ID"
 @dataclass(frozen=True)
 class Allocation:
     job_id: str
-    nodes: int
     first_node_address: str
     cpus_per_task: str | None  # sbatch --cpus-per-task, passed on: srun steps do not all inherit it
 
@@ -34,7 +35,7 @@ def allocation(launch: Launch, environ: Mapping[str, str] = os.environ, *, dry_r
     """The allocation this process runs in, checked against launch.nnodes."""
     if "SLURM_JOB_ID" not in environ:
         if dry_run:
-            return Allocation(UNKNOWN_JOB, launch.nnodes, UNKNOWN_NODE, None)
+            return Allocation(UNKNOWN_JOB, UNKNOWN_NODE, None)
         raise UserError(
             "launch.scheduler: slurm starts the workers with srun inside an allocation, and SLURM_JOB_ID is not "
             "set: submit scripts/slurm/pipeline.sbatch with sbatch, or set launch.scheduler: local"
@@ -47,7 +48,6 @@ def allocation(launch: Launch, environ: Mapping[str, str] = os.environ, *, dry_r
         )
     return Allocation(
         job_id=environ["SLURM_JOB_ID"],
-        nodes=nodes,
         first_node_address=_node_address(_first_node(environ["SLURM_JOB_NODELIST"])),
         cpus_per_task=environ.get("SLURM_CPUS_PER_TASK"),
     )
@@ -80,8 +80,8 @@ def dry_run(argv: list[str] | None = None) -> None:
         commands = [stage.cmd for stage in reversed(list(networkx.topological_sort(graph)))
                     if stage.cmd and (not args.targets or stage in wanted)]
     for command in commands:
-        if "coarse2fine.launch" in command:  # the launcher prints its srun line (COARSE2FINE_LAUNCH_DRY_RUN)
-            subprocess.run(command, shell=True, check=True, env={**os.environ, "COARSE2FINE_LAUNCH_DRY_RUN": "1"})
+        if "coarse2fine.launch" in command:  # the launcher prints its srun line
+            subprocess.run(command, shell=True, check=True, env={**os.environ, DRY_RUN_ENV: "1"})
         else:  # the listing stage: plain python, on the first node
             print(command, flush=True)
 

@@ -1,7 +1,7 @@
 """The one training loop, shared by every training stage (the teacher, pre-training and fine-tuning).
 
-Per optimizer update: `accum_steps` micro-batches through DDP or FSDP2 (coarse2fine.parallel: the component
-the Trainer is given; gradients reduced only on the last micro-batch),
+Per optimizer update: `accum_steps` micro-batches through DDP or FSDP2 (coarse2fine.parallel: a component
+built from params; gradients reduced only on the last micro-batch),
 optional clipping, the optimizer step, the per-update LR schedule and the EMA. Per epoch: validation,
 metrics, and a checkpoint that makes a killed run resumable with bit-identical results on CPU.
 The objective (losses.py) is given by the stage: label-smoothed cross-entropy on the ground truth by default,
@@ -144,7 +144,6 @@ class Trainer:
         objective: Objective | None = None,
         model_cfg: config.Model | None = None,
         records_dir: Path | None = None,
-        parallelism: parallel.Parallelism | None = None,
     ):
         self.stage, self.params, self.cfg, self.runtime = stage, params, cfg, runtime
         self.classes = list(classes)
@@ -158,7 +157,7 @@ class Trainer:
 
         self.autocast_dtype = runtime.autocast_dtype(cfg.precision)
         # DDP or FSDP (params parallel.strategy): the loop below is the same under both.
-        self.parallel = parallelism or parallel.build(params.parallel.strategy, runtime, self.autocast_dtype)
+        self.parallel = parallel.build(params.parallel.strategy, runtime, self.autocast_dtype)
         self.model = runtime.place(model)
         self.parallel.shard(self.model)
         train_forward = models.TrainForward(self.model)

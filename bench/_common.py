@@ -250,17 +250,30 @@ class ProjectCopy:
         for name in ("stages", "src"):
             shutil.copytree(PROJECT_ROOT / name, path / name, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
         shutil.copytree(PROJECT_ROOT / ".dvc", path / ".dvc", ignore=shutil.ignore_patterns("tmp", "cache"))
-        self.env = {
+        self.env = self._tool_env(path)
+        self.edit_params(params)
+        self.run("git", "init", "-q")
+        self.run("git", "add", "-A")
+        self.run("git", "-c", "user.name=bench", "-c", "user.email=bench@localhost", "commit", "-qm", "bench")
+
+    @classmethod
+    def reopen(cls, path: Path) -> ProjectCopy:
+        """A copy made earlier (in a kept --workdir), with its params.yaml back at the committed one: what its stages
+        wrote stays in DVC's cache, so a later run reuses every stage its changes do not reach."""
+        project = cls.__new__(cls)
+        project.path, project.env = path, cls._tool_env(path)
+        project.run("git", "checkout", "-q", "HEAD", "--", "params.yaml")
+        return project
+
+    @staticmethod
+    def _tool_env(path: Path) -> dict[str, str]:
+        return {
             **os.environ,
             "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
             "DVC_NO_ANALYTICS": "1",
             "MLFLOW_DISABLE_TELEMETRY": "true",
             "MLFLOW_TRACKING_URI": f"sqlite:///{path / 'mlflow.db'}",
         }
-        self.edit_params(params)
-        self.run("git", "init", "-q")
-        self.run("git", "add", "-A")
-        self.run("git", "-c", "user.name=bench", "-c", "user.email=bench@localhost", "commit", "-qm", "bench")
 
     def run(self, *command: str) -> str:
         """Run a command in the copy; its output, or an error with the output if it fails."""

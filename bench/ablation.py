@@ -15,8 +15,11 @@ same tiny VOLO directly at 64 px for the direct rows' epochs with the project's 
 lists them), on the same patches written as PNG files (the project reads them re-encoded as JPEG); its wall time
 is the whole train.py run, validation included, as the stages' is.
 
-Run: python bench/ablation.py [--rows NAME ...] [--seed N] [--timm-repo DIR] [--workdir DIR] (see --help); make ablation
-runs every DVC row (ABLATION_ARGS="--timm-repo DIR" adds timm's).
+`--set KEY=VALUE ...` adds params to every DVC row, to measure one more knob; a kept `--workdir` run again at the
+same seed reuses its project copy, so such a run costs only the students.
+
+Run: python bench/ablation.py [--rows NAME ...] [--seed N] [--set KEY=VALUE ...] [--timm-repo DIR] [--workdir DIR]
+(see --help); make ablation runs every DVC row (ABLATION_ARGS="--timm-repo DIR" adds timm's).
 """
 
 from __future__ import annotations
@@ -73,6 +76,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--workdir", type=Path, default=None, help="keep the project copy here (default: a temp dir)")
     parser.add_argument("--seed", type=int, default=0,
                         help="params.yaml's seed for every row: it draws the photo patches, the split and the training")
+    parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", dest="extra_settings",
+                        help="more params for every DVC row (dvc exp run -S), e.g. pretrain.label_smoothing=0: "
+                             "a knob's effect is this run's rows against a run without it, at the same seed")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the report and numbers here")
     args = parser.parse_args()
     if args.rows is None:
@@ -86,31 +92,50 @@ def main() -> None:
     args = parse_args()
     results = {}
     with workspace(args.workdir) as work:
-        project = ProjectCopy(work / "project", {**PHOTOS, "seed": args.seed})
+        project = open_project(work / "project", args.seed)
         params = load_params(project.path / "params.yaml")
         train_images = params.data.photos.train_per_class * len(sources.PHOTOS)
         for name in args.rows:
-            results[name] = run_timm_row(args.timm_repo, work, params) if name == TIMM_ROW else run_row(project, name)
+            if name == TIMM_ROW:
+                results[name] = run_timm_row(args.timm_repo, work, params)
+            else:
+                results[name] = run_row(project, name, args.extra_settings)
             print(f"{name}: top-1 {results[name]['top1']:.2f} %", flush=True)
     rows = [
-        [name, f"{value['top1']:.2f}", f"{value['gpx']:.2f}", f"{value['student_seconds']:.0f}"]
+        [name, f"{value['top1']:.2f}", f"{value.get('loss', float('nan')):.3f}", f"{value['gpx']:.2f}",
+         f"{value['student_seconds']:.0f}"]
         for name, value in results.items()
     ]
     text = "\n".join([
         header_line(),
         f"photos ({train_images} train images, seed {args.seed}), tiny VOLO student, epochs: coarse-to-fine "
-        f"{EPOCHS['coarse']} @ 48 px + {EPOCHS['fine']} @ 64 px, direct {EPOCHS['direct']} @ 64 px",
+        f"{EPOCHS['coarse']} @ 48 px + {EPOCHS['fine']} @ 64 px, direct {EPOCHS['direct']} @ 64 px"
+        + (f"; every DVC row with {' '.join(args.extra_settings)}" if args.extra_settings else ""),
         "",
-        markdown_table(["run", "top-1 %", "student compute (Gpx)", "student wall time (s)"], rows),
+        markdown_table(["run", "top-1 %", "val loss", "student compute (Gpx)", "student wall time (s)"], rows),
     ])
     print(text)
     write_json(args, text, {"results": results})
 
 
-def run_row(project: ProjectCopy, name: str) -> dict:
-    """One `dvc exp run`: the evaluate stage's top-1, the students' compute and their stages' wall time."""
+def open_project(path: Path, seed: int) -> ProjectCopy:
+    """The project copy: a new one, or the one a kept --workdir holds for the same seed (its records, teacher and
+    token labels are reused, so another knob costs only the students)."""
+    if not (path / "params.yaml").is_file():
+        return ProjectCopy(path, {**PHOTOS, "seed": seed})
+    project = ProjectCopy.reopen(path)
+    made_with = load_params(path / "params.yaml").seed
+    if made_with != seed:
+        raise SystemExit(f"ablation: {path} was made with --seed {made_with}, not {seed}: use another --workdir")
+    return project
+
+
+def run_row(project: ProjectCopy, name: str, extra_settings: list[str]) -> dict:
+    """One `dvc exp run` (the row's keys, then `extra_settings`): the evaluate stage's top-1 and loss, the students'
+    compute and their stages' wall time."""
     arguments = ROWS[name]
-    run = project.timed_dvc("exp", "run", "-n", _experiment_name(name), *arguments)
+    extra = [f"-S={setting}" for setting in extra_settings]
+    run = project.timed_dvc("exp", "run", "-n", _experiment_name(name), *arguments[:-1], *extra, arguments[-1])
     last = arguments[-1].split("@")[1]
     evaluation = json.loads((project.path / "metrics" / "evaluate" / last / "metrics.json").read_text())
     train_images = json.loads((project.path / "metrics" / "convert" / "metrics.json").read_text())["images_train"]
@@ -121,6 +146,7 @@ def run_row(project: ProjectCopy, name: str) -> dict:
     print(f"{name}: stages run: {', '.join(sorted(run.stage_seconds))}", flush=True)
     return {
         "top1": evaluation["top1"],
+        "loss": evaluation["loss"],
         "gpx": sum(epochs * side**2 for side, epochs in sides) * train_images / 1e9,
         "student_seconds": sum(run.stage_seconds.get(stage, 0.0) for stage in ("pretrain", "finetune")),
         "stages_run": sorted(run.stage_seconds),

@@ -74,7 +74,10 @@ def start_pretrain(out: Path, records: Path, launch_settings: dict, changes: dic
     out.mkdir(parents=True, exist_ok=True)
     params = out / "params.yaml"
     settings = {"data": {"source": "digits"}, "launch": launch_settings, "pretrain": dict(PRETRAIN)}
-    params.write_text(yaml.safe_dump(merge(settings, changes or {})))
+    # Written whole, then renamed: the second of two agents sharing `out` must not truncate the file the first reads.
+    written = params.with_suffix(".partial")
+    written.write_text(yaml.safe_dump(merge(settings, changes or {})))
+    written.replace(params)
     command = [
         sys.executable, "-m", "coarse2fine.launch", "stages/pretrain.py", "--params", str(params),
         "--records", str(records), "--token-labels", str(out / "no_labels"), "--checkpoint-dir", str(out / "ckpt"),
@@ -119,6 +122,10 @@ def test_two_agents_at_a_c10d_rendezvous_train_as_one_node_with_two_ranks(one_no
     reference_weights, reference_metrics = outcome(one_node_two_ranks)
     torch.testing.assert_close(weights, reference_weights, rtol=0, atol=0)
     assert metrics == reference_metrics
+    for out in (tmp_path, one_node_two_ranks):  # throughput, global and per rank, in both layouts' metrics
+        speed = json.loads((out / "metrics" / "metrics.json").read_text())
+        assert speed["train_img_per_s"] > 0
+        assert speed["train_img_per_s_per_rank"] == pytest.approx(speed["train_img_per_s"] / 2)
 
 
 @pytest.mark.slow
@@ -141,6 +148,10 @@ def test_a_killed_rank_is_restarted_and_the_stage_ends_as_if_uninterrupted(one_n
     reference_weights, reference_metrics = outcome(one_node_two_ranks)
     torch.testing.assert_close(weights, reference_weights, rtol=0, atol=0)
     assert metrics == reference_metrics
+    for out in (tmp_path, one_node_two_ranks):  # throughput, global and per rank, in both layouts' metrics
+        speed = json.loads((out / "metrics" / "metrics.json").read_text())
+        assert speed["train_img_per_s"] > 0
+        assert speed["train_img_per_s_per_rank"] == pytest.approx(speed["train_img_per_s"] / 2)
 
 
 @pytest.mark.slow

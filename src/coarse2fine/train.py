@@ -166,7 +166,7 @@ class Trainer:
         self.train_forward = self.parallel.wrap(train_forward)
 
         self.global_batch = cfg.global_batch(runtime.world_size)
-        try:  # params.yaml was checked at launch.nproc_per_node ranks; this is the world the launcher gave
+        try:  # params.yaml was checked at the launch keys' world size; this is the world torchrun gave
             cfg.check_lr_decays(runtime.world_size)
         except ValueError as error:
             raise UserError(f"params.yaml: {stage}.{error}") from None
@@ -279,6 +279,7 @@ class Trainer:
             "train_loss": (totals[0] / totals[1]).item(),
             "lr": self._current_lr(),
             "train_img_per_s": totals[1].item() / seconds,  # global: every rank's images
+            # Ranks step together (every update waits for the all-reduce), so each rank's rate is the mean.
             "train_img_per_s_per_rank": totals[1].item() / seconds / self.runtime.world_size,
             "epoch_seconds": seconds,
             **self.objective.target_metrics(distributed.all_reduce_sum),

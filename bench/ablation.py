@@ -102,7 +102,7 @@ def main() -> None:
                 results[name] = run_row(project, name, args.extra_settings)
             print(f"{name}: top-1 {results[name]['top1']:.2f} %", flush=True)
     rows = [
-        [name, f"{value['top1']:.2f}", f"{value.get('loss', float('nan')):.3f}", f"{value['gpx']:.2f}",
+        [name, f"{value['top1']:.2f}", f"{value['loss']:.3f}" if "loss" in value else "-", f"{value['gpx']:.2f}",
          f"{value['student_seconds']:.0f}"]
         for name, value in results.items()
     ]

@@ -148,10 +148,6 @@ def test_a_killed_rank_is_restarted_and_the_stage_ends_as_if_uninterrupted(one_n
     reference_weights, reference_metrics = outcome(one_node_two_ranks)
     torch.testing.assert_close(weights, reference_weights, rtol=0, atol=0)
     assert metrics == reference_metrics
-    for out in (tmp_path, one_node_two_ranks):  # throughput, global and per rank, in both layouts' metrics
-        speed = json.loads((out / "metrics" / "metrics.json").read_text())
-        assert speed["train_img_per_s"] > 0
-        assert speed["train_img_per_s_per_rank"] == pytest.approx(speed["train_img_per_s"] / 2)
 
 
 @pytest.mark.slow

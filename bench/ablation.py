@@ -139,10 +139,11 @@ def run_row(project: ProjectCopy, name: str, extra_settings: list[str]) -> dict:
     last = arguments[-1].split("@")[1]
     evaluation = json.loads((project.path / "metrics" / "evaluate" / last / "metrics.json").read_text())
     train_images = json.loads((project.path / "metrics" / "convert" / "metrics.json").read_text())["images_train"]
-    settings = dict(argument[3:].split("=", 1) for argument in arguments[:-1])
+    settings = dict(argument[3:].split("=", 1) for argument in [*arguments[:-1], *extra])  # --set wins
     sides = [(int(settings["pretrain.img_size"]), int(settings["pretrain.epochs"]))]
     if last == "finetune":
-        sides.append((PHOTOS["finetune"]["img_size"], int(settings["finetune.epochs"])))
+        fine_side = int(settings.get("finetune.img_size", PHOTOS["finetune"]["img_size"]))
+        sides.append((fine_side, int(settings["finetune.epochs"])))
     print(f"{name}: stages run: {', '.join(sorted(run.stage_seconds))}", flush=True)
     return {
         "top1": evaluation["top1"],

@@ -102,7 +102,7 @@ def test_repro_reruns_exactly_what_a_params_or_code_change_affects(project):
     assert project.repro() == ALWAYS  # a second run only lists the source, which is unchanged
 
     # An experiment on a late-stage param: the data, teacher, token labels and the pre-trained model stay cached.
-    output = project.run("dvc", "exp", "run", "-S", "finetune.label_smoothing=0.0").stdout
+    output = project.run("dvc", "exp", "run", "-S", "finetune.token_label.label_smoothing=0.1").stdout
     assert ran_stages(output) == {*ALWAYS, *FINETUNED}
     # In MLflow the new pipeline run still shows every stage: the cached ones link to the first pipeline's runs.
     first, second = pipeline_runs(project)
@@ -121,7 +121,7 @@ def test_repro_reruns_exactly_what_a_params_or_code_change_affects(project):
     assert stage_run(project, second, "evaluate@finetune").data.tags["model.made_by"] == (
         stage_run(project, second, "finetune").info.run_id
     )
-    check_pipeline_runs_through_the_rest_api(project, changed={"finetune.label_smoothing": ("0.1", "0.0")})
+    check_pipeline_runs_through_the_rest_api(project, changed={"finetune.token_label.label_smoothing": ("0.0", "0.1")})
     check_the_registered_model_predicts_as_evaluated(project)
 
     project.edit_params({"pretrain": {"label_smoothing": 0.0}})  # only pretrain.*: teacher and labels stay cached

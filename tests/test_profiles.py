@@ -122,7 +122,8 @@ def test_profile_reproduces_the_reference_recipe(path):
     for name in ("pretrain", "finetune"):
         ours = effective(params, name)
         assert ours == pytest.approx(reference_stage := getattr(reference, name)), f"{name}: {ours} vs {reference_stage}"
-        assert getattr(params, name).label_smoothing == reference.label_smoothing
+        cfg = getattr(params, name)
+        assert cfg.label_smoothing == cfg.token_label.label_smoothing == reference.label_smoothing
     assert params.model.drop_path == reference.drop_path
     assert getattr(params.model, "dropout", 0.0) == reference.dropout
 

@@ -95,7 +95,7 @@ class TokenLabelObjective:
     def from_params(cls, num_classes: int, cfg: config.Pretrain) -> TokenLabelObjective:
         token_label = cfg.token_label
         return cls(
-            num_classes, label_smoothing=cfg.label_smoothing, cls_weight=token_label.cls_weight,
+            num_classes, label_smoothing=token_label.label_smoothing, cls_weight=token_label.cls_weight,
             dense_weight=token_label.dense_weight, ground_truth_mix=token_label.ground_truth_mix,
         )
 

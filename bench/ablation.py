@@ -77,7 +77,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0,
                         help="params.yaml's seed for every row: it draws the photo patches, the split and the training")
     parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", dest="extra_settings",
-                        help="more params for every DVC row (dvc exp run -S), e.g. pretrain.label_smoothing=0: "
+                        help="more params for every DVC row (dvc exp run -S), e.g. pretrain.token_label.mix_token=false: "
                              "a knob's effect is this run's rows against a run without it, at the same seed")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the report and numbers here")
     args = parser.parse_args()

@@ -10,8 +10,8 @@ each whole image (the token_labels stage's view) are turned into targets by
 - coarse2fine: the store's (labels/targets.py): the top-k log-probabilities, the other classes sharing what the top
   k leave, roi_align, softmax;
 - every class: all C logits kept (no top-k): what both approximate;
-each then label-smoothed as training does (`pretrain.label_smoothing`). Columns: the class target's and the token
-targets' mean entropy (nats; log C is uniform), how often their top-1 is the label, the class target's KL
+each then label-smoothed as training does (`pretrain.token_label.label_smoothing`). Columns: the class target's
+and the token targets' mean entropy (nats; log C is uniform), how often their top-1 is the label, the class target's KL
 divergence from the teacher's prediction on the crop itself (the crop resized to the teacher's input size), the
 token top-1 at the grid's edge and inside it, and the class target's mass on the classes outside the top k of the
 teacher's prediction on the crop. The last row is the class target as MixToken trains it (mixed with the flipped
@@ -116,7 +116,7 @@ def main() -> None:
                 ("coarse2fine: top-k log-probs, residual fill", project_maps(logits, top_k)),
                 ("every class (no top-k)", logits),
             ):
-                result = crop_targets(maps, batch, token_grid, cfg.label_smoothing)
+                result = crop_targets(maps, batch, token_grid, cfg.token_label.label_smoothing)
                 row = sums.setdefault(name, {})
                 _add(row, "cls entropy", targets.entropy(result.cls).sum())
                 _add(row, "cls top-1 %", 100 * (result.cls.argmax(-1) == labels).sum())
@@ -148,7 +148,7 @@ def main() -> None:
         header_line(),
         f"{project}: {counted} train crops at {cfg.img_size} px ({token_grid}x{token_grid} tokens), teacher "
         f"{info['model_cfg']['name']} at {info['img_size']} px, {num_classes} classes (uniform entropy "
-        f"{math.log(num_classes):.3f}), top-k {top_k}, label smoothing {cfg.label_smoothing}",
+        f"{math.log(num_classes):.3f}), top-k {top_k}, label smoothing {cfg.token_label.label_smoothing}",
         "",
         markdown_table(["targets", *columns], rows),
     ])

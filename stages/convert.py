@@ -11,7 +11,7 @@ from coarse2fine import cli, distributed
 from coarse2fine.config import Params
 from coarse2fine.data import records
 from coarse2fine.data.convert import convert, totals
-from coarse2fine.tracking import Tracker
+from coarse2fine.tracking.runs import Tracker
 
 # What this stage reads (as dvc.yaml lists it): data but its speed knob, convert_workers (the same bytes whatever
 # the count).

@@ -18,7 +18,7 @@ from coarse2fine.data.loaders import Loader, build_loader, resolve_backend
 from coarse2fine.distributed import Runtime
 from coarse2fine.errors import UserError
 from coarse2fine.evaluate import evaluate, write_confusion_matrix_png, write_per_class_json
-from coarse2fine.tracking import Tracker
+from coarse2fine.tracking.runs import Tracker
 
 
 def param_sections(settings: str) -> tuple[str, ...]:

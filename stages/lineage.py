@@ -1,7 +1,8 @@
 """Complete this pipeline's MLflow run from dvc.lock: each stage DVC skipped gets a "<stage> (cached)" run linked
 to the run that made its outputs (coarse2fine.tracking, "Lineage").
 
-dvc.yaml runs it last at every `dvc repro` (always_changed), as plain `python`: it only talks to MLflow.
+dvc.yaml runs it last at every `dvc repro` (always_changed), as plain `python`: it only talks to MLflow, and not
+even that when the last record saw this pipeline, these outputs and this store (tracking.identity.LineageMark).
 """
 
 import argparse
@@ -9,16 +10,27 @@ from pathlib import Path
 
 import yaml
 
-from coarse2fine import cli, tracking
+from coarse2fine import cli
 from coarse2fine.config import Params
 from coarse2fine.errors import UserError
+from coarse2fine.tracking.identity import LineageMark, tracking_uri
 
 
 def main(params: Params, args: argparse.Namespace) -> None:
     if not args.lock.is_file():
         raise UserError(f"no {args.lock}: run the pipeline first (dvc repro)")
-    for line in tracking.record_lineage(params, yaml.safe_load(args.lock.read_text(encoding="utf-8"))):
+    lock = yaml.safe_load(args.lock.read_text(encoding="utf-8"))
+    mark = LineageMark(params, lock, tracking_uri())
+    if mark.is_recorded():
+        return
+    from coarse2fine.tracking.lineage import record_lineage  # MLflow's import: seconds, paid only to record
+
+    lines = record_lineage(params, lock)
+    if lines is None:
+        return  # MLflow unusable: record_lineage warned
+    for line in lines:
         print(f"lineage: {line}")
+    mark.save()
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from coarse2fine.config import Params
 from coarse2fine.data import records
 from coarse2fine.data.loaders import IMAGE_MEAN, IMAGE_STD, build_loader, eval_transform
 from coarse2fine.evaluate import evaluate
-from coarse2fine.tracking import Tracker
+from coarse2fine.tracking.runs import Tracker
 
 # What this stage reads (as dvc.yaml lists it); tracked in MLflow, and a checkpoint under others is not resumed.
 PARAM_SECTIONS = (

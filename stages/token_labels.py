@@ -33,7 +33,8 @@ from coarse2fine.files import file_sha256
 from coarse2fine.labels import store
 from coarse2fine.labels.generate import REFERENCE_IMAGENET_BYTES, Generation, View, dense_head, generate
 from coarse2fine.labels.imported import REFERENCE_VIEW, import_labels
-from coarse2fine.tracking import Tracker, stage_params
+from coarse2fine.tracking.identity import stage_params
+from coarse2fine.tracking.runs import Tracker
 
 # What this stage reads (as dvc.yaml lists it): the generation's settings and the resize. Not loader.workers, which
 # it runs with: a speed knob, the same store whatever the count. Nor the students' token_label.enabled: whether any

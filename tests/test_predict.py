@@ -20,7 +20,8 @@ from torch import nn
 from coarse2fine import models, predict
 from coarse2fine.data import records
 from coarse2fine.data.loaders import build_loader, eval_transform
-from coarse2fine.tracking import MODEL_ID_TAG, Tracker
+from coarse2fine.tracking.identity import MODEL_ID_TAG
+from coarse2fine.tracking.runs import Tracker
 
 # A size and crop that make the eval transform do something to the 32 px digits: shorter side to 27, crop 24.
 IMG_SIZE, CROP_PCT, INTERPOLATION = 24, 0.875, "bilinear"

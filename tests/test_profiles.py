@@ -12,7 +12,7 @@ import yaml
 from conftest import ListLoader, cpu_runtime
 
 from coarse2fine import losses, models, train
-from coarse2fine.config import flatten, load_params, parse_params
+from coarse2fine.config import flatten, load_params
 from coarse2fine.data.loaders import with_target_inputs
 from coarse2fine.labels import store
 

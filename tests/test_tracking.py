@@ -28,19 +28,13 @@ from coarse2fine.config import flatten, parse_params
 from coarse2fine.data.loaders import eval_transform
 from coarse2fine.errors import UserError
 from coarse2fine.distributed import Runtime
-from coarse2fine.tracking import (
-    DVC_EXPERIMENT_TAG,
-    GIT_DIRTY_TAG,
-    PIPELINE_KEY_TAG,
-    PIPELINE_STAGE,
-    STAGE_TAG,
-    Tracker,
-    load_logged_model,
-    outputs_digest,
-    record_lineage,
-    stage_params,
-    tracking_uri,
+from coarse2fine.tracking.identity import (
+    DVC_EXPERIMENT_TAG, GIT_COMMIT_TAG, GIT_DIRTY_TAG, PIPELINE_KEY_TAG, PIPELINE_STAGE, STAGE_TAG, outputs_digest,
+    stage_params, tracking_uri,
 )
+from coarse2fine.tracking.lineage import record_lineage
+from coarse2fine.tracking.models import load_logged_model
+from coarse2fine.tracking.runs import Tracker
 
 PRETRAIN_SECTIONS = ("seed", "model", "pretrain")
 STAGE_RUNS = f"tags.{STAGE_TAG} != '{PIPELINE_STAGE}'"  # search_runs filter: the stages' runs, not the pipelines'
@@ -319,12 +313,18 @@ def test_a_training_run_holds_its_datasets_curves_and_model_and_the_result_is_re
     env = {key: value for key, value in os.environ.items() if key != "MLFLOW_TRACKING_URI"}
     command = [sys.executable, str(PROJECT_ROOT / "stages" / "lineage.py"), "--params", str(workdir / "params.yaml"),
                "--lock", str(workdir / "dvc.lock")]
-    for _ in range(2):
-        lineage = subprocess.run(command, cwd=copy, env={**env, "DVC_ROOT": str(store.parent)}, capture_output=True,
-                                 text=True, check=True)
-        assert lineage.stdout.splitlines() == [
-            f"lineage: finetune: model registered as models:/{name}/1, alias current (models:/{name}@current)"
-        ], lineage.stderr
+    registered = [f"lineage: finetune: model registered as models:/{name}/1, alias current (models:/{name}@current)"]
+    mark = store.with_name(f"{store.name}.lineage.json")
+
+    def lineage() -> list[str]:
+        result = subprocess.run(command, cwd=copy, env={**env, "DVC_ROOT": str(store.parent)}, capture_output=True,
+                                text=True, check=True)
+        return result.stdout.splitlines()
+
+    assert lineage() == registered
+    assert lineage() == []  # nothing new since: the mark beside the store says so
+    mark.unlink()
+    assert lineage() == registered  # recorded again: the same version, the alias where it was
     assert not (copy / "mlflow.db").exists()
     (version,) = client(store).search_model_versions(f"name = '{name}'")
     assert (version.run_id, version.source) == (tracker.run_id, f"models:/{run.data.tags['model.id']}")
@@ -364,8 +364,40 @@ def test_a_model_torch_export_refuses_is_one_warning_and_the_run_goes_on(workdir
 
 def test_lineage_without_a_usable_store_is_one_warning(workdir, request, monkeypatch, caplog):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "bogus://nowhere")
-    assert record_lineage(params_for(request), lock_with({"teacher": "a" * 32})) == []
+    assert record_lineage(params_for(request), lock_with({"teacher": "a" * 32})) is None
     assert caplog.text.count("is not usable (") == 1 and "no lineage recorded" in caplog.text
+
+
+def test_the_git_commit_tag_is_mlflows():
+    assert GIT_COMMIT_TAG == MLFLOW_GIT_COMMIT  # spelled out in identity.py, which must not import mlflow
+
+
+def test_a_lineage_with_nothing_new_to_record_does_not_import_mlflow(workdir, store, request):
+    """stages/lineage.py as dvc.yaml runs it, under `python -X importtime`: the first run records (and imports
+    MLflow), a second with the same pipeline, outputs and store prints nothing and imports no MLflow; other
+    outputs, or a store written to since, record again."""
+    (workdir / "params.yaml").write_text(yaml.safe_dump({"tracking": {"experiment": request.node.name}}))
+    env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT / "src")}
+
+    def lineage(outputs: dict[str, str]) -> tuple[bool, str]:
+        """Whether the run imported mlflow, and what it printed."""
+        (workdir / "dvc.lock").write_text(yaml.safe_dump(lock_with(outputs)))
+        result = subprocess.run(
+            [sys.executable, "-X", "importtime", str(PROJECT_ROOT / "stages/lineage.py")],
+            cwd=workdir, env=env, capture_output=True, text=True, timeout=300,
+        )
+        assert result.returncode == 0, result.stderr[-2000:]
+        return " mlflow\n" in result.stderr, result.stdout
+
+    made = open_and_close(request, "teacher", parse_params({"tracking": {"experiment": request.node.name}}), workdir)
+    assert lineage({"teacher": "a" * 32}) == (True, "")  # its run gets its outputs' tag: nothing to print
+    tagged = client(store).get_run(made.run_id).data.tags["dvc.outs"]
+    assert tagged == outputs_digest(lock_with({"teacher": "a" * 32})["stages"]["teacher"])
+    assert lineage({"teacher": "a" * 32}) == (False, "")
+    assert lineage({"teacher": "b" * 32})[0]  # other outputs
+    assert not lineage({"teacher": "b" * 32})[0]
+    client(store).create_experiment(f"{request.node.name} written since")
+    assert lineage({"teacher": "b" * 32})[0]
 
 
 def test_an_experiment_from_an_older_store_gets_the_training_kind(workdir, store, request):
@@ -462,7 +494,7 @@ STAGE_SCRIPT = """
     import torch
     from coarse2fine.config import load_params
     from coarse2fine.distributed import Runtime
-    from coarse2fine.tracking import Tracker
+    from coarse2fine.tracking.runs import Tracker
 
     params = load_params()
     runtime = Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
@@ -546,7 +578,7 @@ OPEN_A_RUN = textwrap.dedent(
     """
     import sys
     from conftest import cpu_runtime, make_params
-    from coarse2fine.tracking import Tracker
+    from coarse2fine.tracking.runs import Tracker
 
     with Tracker("convert", make_params(), cpu_runtime(), metrics_dir=sys.argv[1], param_sections=("seed",)) as tracker:
         tracker.log_summary({"ok": 1.0})

@@ -21,7 +21,6 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 from PIL import Image, UnidentifiedImageError
-from torch import nn
 
 from coarse2fine import cli, distributed, models
 from coarse2fine.data.convert import DECODE_ERRORS, on_white_rgb
@@ -29,7 +28,7 @@ from coarse2fine.data.loaders import IMAGE_MEAN, IMAGE_STD, eval_transform
 from coarse2fine.data.torch_pipeline import to_normalised_tensor, val_resize_and_crop
 from coarse2fine.errors import UserError
 from coarse2fine.evaluate import TOP_K
-from coarse2fine.tracking import load_logged_model
+from coarse2fine.tracking.models import load_logged_model
 
 MLFLOW_URI_SCHEMES = ("models:/", "runs:/")
 

@@ -57,7 +57,8 @@ from coarse2fine.distributed import Runtime
 from coarse2fine.errors import UserError
 from coarse2fine.evaluate import evaluate
 from coarse2fine.progress import progress
-from coarse2fine.tracking import Tracker, stage_params
+from coarse2fine.tracking.identity import stage_params
+from coarse2fine.tracking.runs import Tracker
 
 CHECKPOINT_FILE = "last.pt"
 PROGRESS_EVERY = 10  # steps between updates of the progress bar's loss

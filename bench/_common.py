@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import csv
 import datetime
 import json
 import os
@@ -189,8 +190,10 @@ def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join("| " + " | ".join(str(cell).ljust(w) for cell, w in zip(line, widths)) + " |" for line in lines)
 
 
-def goal(text: str, met: bool, measured: str) -> str:
-    return f"{text}: {'met' if met else 'MISSED'} ({measured})"
+def goal(text: str, met: bool | None, measured: str) -> str:
+    """One goal line; `met` None: not checked (what it needs did not run), `measured` says why."""
+    verdict = "not checked" if met is None else "met" if met else "MISSED"
+    return f"{text}: {verdict} ({measured})"
 
 
 def add_common_arguments(parser: argparse.ArgumentParser, *, repeats: int) -> None:
@@ -228,6 +231,32 @@ def merge_params(base: dict, change: dict) -> dict:
         else:
             base[key] = value
     return base
+
+
+def stage_output_error(path: Path, key: str, found: object) -> SystemExit:
+    """The one-line failure of a bench whose stage (or peer tool) no longer writes what the bench reads."""
+    return SystemExit(f"{path}: no {key!r} (found: {found}): what the bench reads changed shape; update the bench")
+
+
+def read_metric(path: Path, key: str) -> float:
+    """`key` of the JSON metrics file at `path`, or a one-line exit naming both."""
+    if not path.is_file():
+        raise stage_output_error(path, key, "no such file")
+    metrics = json.loads(path.read_text(encoding="utf-8"))
+    if key not in metrics:
+        raise stage_output_error(path, key, ", ".join(metrics) or "no keys")
+    return float(metrics[key])
+
+
+def read_column(path: Path, key: str, delimiter: str) -> list[float]:
+    """Column `key` of the CSV/TSV table at `path` (a DVC plots file, timm's summary.csv), or a one-line exit."""
+    if not path.is_file():
+        raise stage_output_error(path, key, "no such file")
+    with open(path, newline="", encoding="utf-8") as table:
+        reader = csv.DictReader(table, delimiter=delimiter)
+        if key not in (reader.fieldnames or []):
+            raise stage_output_error(path, key, ", ".join(reader.fieldnames or []) or "an empty file")
+        return [float(row[key]) for row in reader]
 
 
 @dataclass

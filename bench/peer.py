@@ -2,9 +2,13 @@
 
 Data: scikit-learn's digits written once as an ImageFolder (coarse2fine.data.sources.write_digits, PNG, 32 px).
 The pretrain stage reads the project's conversion of that tree (TFRecords; PNGs re-encoded as JPEG, quality 95)
-and runs as users run it: `dvc repro -f -s pretrain` in a fresh project copy (checkpoint and metrics removed
-first, so it trains from scratch). timm's train.py reads the same tree (train/ and val/ folders) as one plain
-process (under torchrun on CPU it fails: it passes device_ids to DDP).
+and runs as users run it, in a fresh project copy (bench/_common.ProjectCopy): a normal `dvc repro token_labels`
+first (untimed: convert, the default teacher, its token labels), then per run `dvc repro --no-run-cache pretrain`
+with the stage's outputs and resume state removed, so it trains from scratch. Two rows of the stage:
+  - ground truth (pretrain.token_label.enabled false): the like-for-like row against timm's train.py;
+  - token labels (the default: the teacher's dense targets and MixToken), what the pipeline runs.
+timm's train.py reads the same tree (train/ and val/ folders) as one plain process (under torchrun on CPU it
+fails: it passes device_ids to DDP).
 
 timm's train.py is not in the timm wheel: --timm-repo names a timm source checkout (e.g. `git clone
 https://github.com/huggingface/pytorch-image-models`, or `git --git-dir=MIRROR archive HEAD | tar -x -C DIR`).
@@ -13,24 +17,32 @@ VOLO cannot be named on its command line (volo_d1_224 fixes layers/dims/heads), 
 (`volo_bench`, a plain timm VOLO built from --model-kwargs) with timm's register_model before calling train.py's
 main: nothing of timm is copied.
 
-Matched settings (the project's params defaults): batch 64, AdamW lr 1e-3 (= 1.6e-2 x 64 / 1024) weight decay
-0.05 betas (0.9, 0.999), per-update cosine to 1e-5 with 1 warm-up epoch from 1e-6, label smoothing 0.1,
-random-resized-crop scale (0.35, 1) ratio (3/4, 4/3) bicubic, no flip, no colour jitter, no RandAugment, no
-mixup/cutmix, no random erasing, 32 px, val crop 100 %, 2 loader workers, CPU fp32, seed 0.
-Reported per tool: train img/s (median over epochs; the project's own per-epoch metric, timm's per-epoch average
-rate from its last `Train:` log line of the epoch), wall time of the whole run, final val top-1.
+Matched settings (the project's params.yaml): its model (patch 4), batch 64, AdamW lr 1e-3 (= 1.6e-2 x 64 / 1024)
+weight decay 0.05 betas (0.9, 0.999), per-update cosine to 1e-5 with 1 warm-up epoch from 1e-6, label smoothing
+0.1, random-resized-crop scale (0.35, 1) ratio (3/4, 4/3) bicubic, no flip, no colour jitter, no RandAugment, no
+mixup/cutmix, no random erasing, pretrain.img_size (48 px: the 32 px digits upsampled by the crop), val crop 100 %,
+2 loader workers, CPU fp32, seed 0. Epochs: 10 by default, not pretrain.epochs' 60 (sized for the photos; on
+digits 60 would take over an hour here).
+Reported per row: train img/s (median over epochs; the project's own per-epoch metric, timm's per-epoch average
+rate from its last `Train:` log line of the epoch), wall time (the pretrain stage's, from DVC's "Running stage"
+line to the end of the repro; timm's whole run), final val top-1 (the stage's last-epoch val_top1, timm's last
+eval_top1). A metric the bench reads that a stage or train.py no longer writes stops it with one line naming the
+file and the key.
 Threads: both tools run as one training process with torch's default intra-op threads (one per core): the stage
 runs with launch.nproc_per_node 1, and torchrun sets OMP_NUM_THREADS=1 only for 2 or more processes. Beside
 them, DALI's 2 threads (the stage) and 2 loader worker processes (timm) oversubscribe 2 cores alike. timm also
 runs with OMP_NUM_THREADS=1 (one intra-op thread), to show what its default threads are worth here.
 The runs alternate (forward order, then reversed, ...), never concurrently.
+
+--tiny: a smoke test of the bench itself (tests/test_benches.py), seconds of training, figures that measure
+nothing: the first 16 train and 4 val digits of each class, 1 epoch (the teacher's too), 1 run per row. Only
+there may --timm-repo be left out: the stage's rows run, timm's are reported as not run.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
-import json
+import functools
 import os
 import re
 import shutil
@@ -40,12 +52,19 @@ import sys
 import time
 from pathlib import Path
 
-from _common import ProjectCopy, goal, header_line, markdown_table, workspace, write_json
-from coarse2fine.config import parse_params
+from _common import (
+    PROJECT_ROOT, ProjectCopy, goal, header_line, markdown_table, read_column, read_metric, workspace, write_json
+)
+from coarse2fine.config import load_params
 from coarse2fine.data.sources import write_digits
 
-GOAL_VS_TIMM = 1.0
-PARAMS = parse_params({})  # the project's defaults: the settings both tools get
+GOAL_VS_TIMM = 1.2
+PARAMS = load_params(PROJECT_ROOT / "params.yaml")  # both tools' settings (the stage's copy differs in data, epochs)
+EPOCHS = 10
+REPEATS = 2
+TINY_PER_CLASS = {"train": 16, "val": 4}  # images kept per class folder in --tiny
+PROJECT_ROWS = {"pretrain stage, ground truth": False, "pretrain stage, token labels": True}  # token_label.enabled
+TIMM_ROWS = {"timm train.py": {}, "timm train.py, OMP_NUM_THREADS=1": {"OMP_NUM_THREADS": "1"}}  # extra env
 TIMM_RATE = re.compile(r"Train: (\d+) \[.*\(\d+%\)\].*\(\s*[\d.]+s,\s*([\d.]+)/s\)")
 
 # Run as `python -c TIMM_MAIN REPO ARGS...`: register a tiny-VOLO factory, then timm's own train.py main.
@@ -67,17 +86,24 @@ runpy.run_path(sys.argv[0], run_name='__main__')
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--timm-repo", type=Path, required=True, metavar="PATH",
-                        help="a timm source checkout: the directory holding train.py and timm/ (required)")
-    parser.add_argument("--epochs", type=int, default=PARAMS.pretrain.epochs, metavar="N",
-                        help=f"epochs for both tools (default: {PARAMS.pretrain.epochs}, pretrain.epochs)")
-    parser.add_argument("--repeats", type=int, default=2, metavar="N",
-                        help="runs per tool, alternating (default: 2)")
+    parser.add_argument("--timm-repo", type=Path, metavar="PATH",
+                        help="a timm source checkout (the directory holding train.py and timm/); required unless --tiny")
+    parser.add_argument("--tiny", action="store_true",
+                        help="a smoke test: 16 + 4 digits per class, 1 epoch, 1 run per row (figures measure nothing)")
+    parser.add_argument("--epochs", type=int, metavar="N", help=f"epochs for both tools (default: {EPOCHS}; --tiny: 1)")
+    parser.add_argument("--repeats", type=int, metavar="N",
+                        help=f"runs per row, alternating (default: {REPEATS}; --tiny: 1)")
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write the raw numbers (every run) as JSON")
     parser.add_argument("--workdir", type=Path, metavar="DIR", help="keep the data and outputs here (default: a temp dir)")
     args = parser.parse_args()
-    if not (args.timm_repo / "train.py").is_file():
+    if args.timm_repo is None and not args.tiny:
+        parser.error("--timm-repo is required: the bench compares against timm's train.py (only --tiny runs without)")
+    if args.timm_repo is not None and not (args.timm_repo / "train.py").is_file():
         parser.error(f"--timm-repo: no train.py in {args.timm_repo}")
+    if args.epochs is None:
+        args.epochs = 1 if args.tiny else EPOCHS
+    if args.repeats is None:
+        args.repeats = 1 if args.tiny else REPEATS
     return args
 
 
@@ -125,49 +151,99 @@ def run_timm(timm_repo: Path, tree: Path, work: Path, env: dict[str, str], **set
     rates: dict[int, float] = {}
     for epoch, rate in TIMM_RATE.findall(result.stdout + result.stderr):
         rates[int(epoch)] = float(rate)  # the epoch's last line holds its average over the epoch
-    with open(output / "run" / "summary.csv", newline="", encoding="utf-8") as summary:
-        top1 = float(list(csv.DictReader(summary))[-1]["eval_top1"])
+    if not rates:
+        raise SystemExit(f"timm train.py's log has no `Train:` line with a rate (TIMM_RATE): its format changed; "
+                         f"update the bench:\n{result.stdout[-2000:]}")
+    top1 = read_column(output / "run" / "summary.csv", "eval_top1", delimiter=",")[-1]
     return {"img_per_s": [rates[epoch] for epoch in sorted(rates)], "seconds": seconds, "top1": top1}
 
 
-def run_pretrain(project: ProjectCopy) -> dict:
-    for name in (".resume/pretrain", "metrics/pretrain"):
-        shutil.rmtree(project.path / name, ignore_errors=True)
-    run = project.repro("-f", "-s", "pretrain")
-    history = project.path / "metrics/pretrain/plots/metrics/train_img_per_s.tsv"
-    with open(history, newline="", encoding="utf-8") as table:
-        rates = [float(row["train_img_per_s"]) for row in csv.DictReader(table, delimiter="\t")]
-    top1 = json.loads((project.path / "metrics/pretrain/metrics.json").read_text(encoding="utf-8"))["top1"]
-    return {"img_per_s": rates, "seconds": run.seconds, "top1": top1}
+def digits_tree(work: Path, tiny: bool) -> Path:
+    """The digits as an ImageFolder under `work` (reused if a kept --workdir has it); --tiny keeps each class
+    folder's first TINY_PER_CLASS images, the same subset for both tools."""
+    tree = work / ("digits-tiny" if tiny else "digits")
+    if tree.is_dir():
+        return tree
+    partial = tree.with_name(f"{tree.name}.partial")  # renamed when complete: an interrupted write is not reused
+    shutil.rmtree(partial, ignore_errors=True)
+    write_digits(partial, PARAMS.data.digits, PARAMS.seed)
+    if tiny:
+        for split, keep in TINY_PER_CLASS.items():
+            for folder in (partial / split).iterdir():
+                for image in sorted(folder.iterdir())[keep:]:
+                    image.unlink()
+    return partial.rename(tree)
+
+
+def prepared_project(work: Path, tree: Path, args: argparse.Namespace) -> ProjectCopy:
+    """A fresh project copy on `tree` with everything pretrain reads made by a normal `dvc repro token_labels`:
+    the records, the default teacher and its token labels (the token-label row's targets)."""
+    shutil.rmtree(work / "project", ignore_errors=True)
+    params = {"data": {"source": "imagefolder", "root": str(tree)}, "pretrain": {"epochs": args.epochs}}
+    if args.tiny:
+        params["teacher"] = {"epochs": 1}
+    project = ProjectCopy(work / "project", params)
+    project.repro("token_labels")
+    return project
+
+
+def run_pretrain(project: ProjectCopy, token_labels: bool) -> dict:
+    """One pretrain stage run from scratch, learning from token labels or the ground truth: its img/s, wall time,
+    top-1."""
+    project.edit_params({"pretrain": {"token_label": {"enabled": token_labels}}})
+    for name in (".resume/pretrain", "models/pretrain", "metrics/pretrain"):
+        shutil.rmtree(project.path / name, ignore_errors=True)  # no resuming, no earlier run's metrics to read
+    run = project.repro("--no-run-cache", "pretrain")  # else DVC restores a repeat's outputs instead of training
+    if "pretrain" not in run.stage_seconds:
+        raise SystemExit(f"`dvc repro pretrain` ran no stage named pretrain (ran: {', '.join(run.stage_seconds)})")
+    metrics = project.path / "metrics" / "pretrain"
+    rates = read_column(metrics / "plots" / "metrics" / "train_img_per_s.tsv", "train_img_per_s", delimiter="\t")
+    top1 = read_metric(metrics / "metrics.json", "val_top1")
+    return {"img_per_s": rates, "seconds": run.stage_seconds["pretrain"], "top1": top1}
+
+
+def table_row(name: str, runs: list[dict], median: float | None, reference: float | None) -> list[str]:
+    """A row of the report; `reference`: the faster timm's median img/s, None if timm did not run."""
+    if not runs:
+        return [name, "not run (no --timm-repo)", "-", "-", "-"]
+    return [
+        name,
+        f"{median:.0f}",
+        "-" if reference is None else f"{median / reference:.2f}x",
+        " / ".join(f"{run['seconds']:.1f}" for run in runs),
+        " / ".join(f"{run['top1']:.2f}" for run in runs),
+    ]
+
+
+def goal_line(name: str, medians: dict[str, float], accuracy: dict[str, float], best_timm: str | None) -> str:
+    """The issue's goal for one of the stage's rows: >= GOAL_VS_TIMM x the faster timm's img/s, top-1 no lower."""
+    text = f"{name} >= {GOAL_VS_TIMM:g}x the faster timm train.py img/s at equal or better val top-1"
+    if best_timm is None:
+        return goal(text, None, "timm train.py not run: no --timm-repo")
+    ratio = medians[name] / medians[best_timm]
+    met = ratio >= GOAL_VS_TIMM and accuracy[name] >= accuracy[best_timm]
+    return goal(text, met, f"{ratio:.2f}x, val top-1 {accuracy[name]:.2f} vs {accuracy[best_timm]:.2f} %")
 
 
 def report(runs: dict[str, list[dict]], args: argparse.Namespace, train_images: int) -> tuple[str, dict]:
-    medians = {name: statistics.median(rate for run in tool_runs for rate in run["img_per_s"]) for name, tool_runs in runs.items()}
-    accuracy = {name: statistics.median(run["top1"] for run in tool_runs) for name, tool_runs in runs.items()}
-    best_timm = max((name for name in runs if name.startswith("timm")), key=medians.get)  # the goal's reference
-    rows = [
-        [
-            name,
-            f"{medians[name]:.0f}",
-            f"{medians[name] / medians[best_timm]:.2f}x",
-            " / ".join(f"{run['seconds']:.1f}" for run in tool_runs),
-            " / ".join(f"{run['top1']:.2f}" for run in tool_runs),
-        ]
-        for name, tool_runs in runs.items()
-    ]
-    ratio = medians["pretrain stage"] / medians[best_timm]
-    met = ratio >= GOAL_VS_TIMM and accuracy["pretrain stage"] >= accuracy[best_timm]
-    goals = [goal(
-        f"pretrain stage >= {GOAL_VS_TIMM:g}x the faster timm train.py img/s at equal or better top-1", met,
-        f"{ratio:.2f}x, top-1 {accuracy['pretrain stage']:.2f} vs {accuracy[best_timm]:.2f} %",
-    )]
+    ran = {name: tool_runs for name, tool_runs in runs.items() if tool_runs}
+    medians = {name: statistics.median(rate for run in tool_runs for rate in run["img_per_s"]) for name, tool_runs in ran.items()}
+    accuracy = {name: statistics.median(run["top1"] for run in tool_runs) for name, tool_runs in ran.items()}
+    timm_ran = [name for name in TIMM_ROWS if name in ran]
+    best_timm = max(timm_ran, key=medians.get) if timm_ran else None  # the goal's reference
+    reference = medians[best_timm] if best_timm else None
+    rows = [table_row(name, tool_runs, medians.get(name), reference) for name, tool_runs in runs.items()]
+    goals = [goal_line(name, medians, accuracy, best_timm) for name in PROJECT_ROWS]
     cfg = PARAMS.pretrain
+    tiny = "Tiny run (--tiny: a smoke test of the bench, its figures measure nothing). " if args.tiny else ""
     text = "\n".join([
         header_line(),
         "",
-        f"Tiny VOLO on digits ({train_images} train images, {cfg.img_size} px), {args.epochs} epochs, batch "
-        f"{cfg.batch_size}, AdamW, 2 loader workers, CPU fp32; {args.repeats} runs per tool, alternating. img/s: "
-        "median over all epochs of all runs (training with data loading, no validation).",
+        f"{tiny}Tiny VOLO on digits ({train_images} train images, {cfg.img_size} px), {args.epochs} epochs, batch "
+        f"{cfg.batch_size}, AdamW, 2 loader workers, CPU fp32; {args.repeats} runs per row, alternating. img/s: "
+        "median over all epochs of all runs (training with data loading, no validation). Ground truth: "
+        "pretrain.token_label.enabled false, like for like with timm; token labels: the default, from the default "
+        "teacher's token_labels stage.",
         "",
         markdown_table(["tool", "train img/s (median)", "x faster timm", "wall s per run", "val top-1 % per run"], rows),
         "",
@@ -176,26 +252,22 @@ def report(runs: dict[str, list[dict]], args: argparse.Namespace, train_images: 
     return text, {"runs": runs, "median_img_per_s": medians, "goals": goals}
 
 
+def variants_to_run(args: argparse.Namespace, project: ProjectCopy, tree: Path, work: Path) -> dict:
+    """Each row's run, as a call returning its numbers: the stage's rows, and timm's with --timm-repo."""
+    variants = {name: functools.partial(run_pretrain, project, enabled) for name, enabled in PROJECT_ROWS.items()}
+    if args.timm_repo is not None:
+        settings = {"num_classes": 10, "img_size": PARAMS.pretrain.img_size, "epochs": args.epochs}
+        for name, env in TIMM_ROWS.items():
+            variants[name] = functools.partial(run_timm, args.timm_repo, tree, work, env, **settings)
+    return variants
+
+
 def main() -> None:
     args = parse_args()
     with workspace(args.workdir) as work:
-        tree = work / "digits"
-        if not tree.is_dir():
-            write_digits(tree, PARAMS.data.digits, PARAMS.seed)
-        shutil.rmtree(work / "project", ignore_errors=True)
-        project = ProjectCopy(
-            work / "project", {"data": {"source": "imagefolder", "root": str(tree)}, "pretrain": {"epochs": args.epochs}}
-        )
-        project.repro("convert")
-        settings = {"num_classes": 10, "img_size": PARAMS.pretrain.img_size, "epochs": args.epochs}
-        variants = {
-            "pretrain stage": lambda: run_pretrain(project),
-            "timm train.py": lambda: run_timm(args.timm_repo, tree, work, {}, **settings),
-            "timm train.py, OMP_NUM_THREADS=1": lambda: run_timm(
-                args.timm_repo, tree, work, {"OMP_NUM_THREADS": "1"}, **settings
-            ),
-        }
-        runs: dict[str, list[dict]] = {name: [] for name in variants}
+        tree = digits_tree(work, args.tiny)
+        variants = variants_to_run(args, prepared_project(work, tree, args), tree, work)
+        runs: dict[str, list[dict]] = {name: [] for name in [*PROJECT_ROWS, *TIMM_ROWS]}
         order = list(variants)
         for repeat in range(args.repeats):
             for name in order if repeat % 2 == 0 else order[::-1]:

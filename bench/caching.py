@@ -3,12 +3,13 @@
 In a fresh copy of the project (a temporary git repository with dvc.yaml, params.yaml, stages/, src/, .dvc/, as
 tests/test_pipeline.py makes it) with fast params, a full `dvc repro` runs once (reported, not a row); then, in
 --repeats interleaved rounds:
-- no-op: `dvc repro` with nothing changed (must run only the `source` stage, which lists the source images at
-  every repro and writes the same digest, so nothing after it runs);
+- no-op: `dvc repro` with nothing changed (must run only the two stages DVC runs at every repro: `source`, which
+  lists the source images and writes the same digest, so nothing after it runs, and `lineage`, which finds nothing
+  new to record in MLflow and, by its mark beside the store, does not import MLflow to find that out);
 - last stage only: `evaluate.finetune.crop_pct` set to a value not used before (DVC's run cache would restore a
   previous value's outputs without running anything), then `dvc repro` (must run evaluate@finetune, the
-  two-line compare and the listing only; the time in the stages between, convert to finetune, from `Running
-  stage` lines, must be 0).
+  two-line compare and the two stages of every repro only; the time in the stages between, convert to finetune,
+  from `Running stage` lines, must be 0).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ GOAL_NOOP_SECONDS = 3.0
 LAST_STAGE = "evaluate@finetune"
 REPORT_STAGE = "compare"  # reads the evaluations: reruns with the last one
 LISTING_STAGE = "source"  # always runs: its unchanged output is what keeps the rest cached
+LINEAGE_STAGE = "lineage"  # always runs, last: MLflow's links for the stages DVC skipped
+EVERY_REPRO = f"{LINEAGE_STAGE}, {LISTING_STAGE}"  # `ran`'s sorted listing of the two
 FIRST_CROP_PCT, CROP_PCT_STEP = 0.875, -0.025  # a new value every round: a real run, never a run-cache restore
 
 
@@ -39,9 +42,8 @@ def parse_args() -> argparse.Namespace:
 
 def earlier_seconds(run: Repro) -> float:
     """Seconds in the stages between the listing and the last stage (convert to finetune)."""
-    return sum(
-        seconds for stage, seconds in run.stage_seconds.items() if stage not in (LISTING_STAGE, LAST_STAGE, REPORT_STAGE)
-    )
+    outside = (LISTING_STAGE, LAST_STAGE, REPORT_STAGE, LINEAGE_STAGE)
+    return sum(seconds for stage, seconds in run.stage_seconds.items() if stage not in outside)
 
 
 def stage_median(runs: list[Repro], stage: str) -> float:
@@ -60,19 +62,21 @@ def report(full: Repro, noop: list[Repro], change: list[Repro], args: argparse.N
         return [
             name, f"{statistics.median(seconds):.2f}", f"{min(seconds):.2f}-{max(seconds):.2f}", ran(runs),
             f"{stage_median(runs, LISTING_STAGE):.2f}", f"{earlier:.2f}", f"{stage_median(runs, LAST_STAGE):.2f}",
+            f"{stage_median(runs, LINEAGE_STAGE):.2f}",
         ]
 
     noop_median = statistics.median(run.seconds for run in noop)
     earlier = max(earlier_seconds(run) for run in change)
     goals = [
         goal(
-            f"no-op dvc repro <= {GOAL_NOOP_SECONDS:g} s, running only the {LISTING_STAGE} listing",
-            noop_median <= GOAL_NOOP_SECONDS and ran(noop) == LISTING_STAGE,
+            f"no-op dvc repro <= {GOAL_NOOP_SECONDS:g} s, running only {EVERY_REPRO}",
+            noop_median <= GOAL_NOOP_SECONDS and ran(noop) == EVERY_REPRO,
             f"{noop_median:.2f} s, ran {ran(noop)}",
         ),
         goal(
-            f"a change under evaluate.finetune: runs only {LAST_STAGE} (and {REPORT_STAGE}, the listing), 0 s in the stages between",
-            all(ran([run]) == f"{REPORT_STAGE}, {LAST_STAGE}, {LISTING_STAGE}" for run in change) and earlier == 0,
+            f"a change under evaluate.finetune: runs only {LAST_STAGE} (and {REPORT_STAGE}, {EVERY_REPRO}), 0 s in the "
+            "stages between",
+            all(ran([run]) == f"{REPORT_STAGE}, {LAST_STAGE}, {EVERY_REPRO}" for run in change) and earlier == 0,
             f"ran {ran(change)}, {earlier:.2f} s in the stages between",
         ),
     ]
@@ -86,7 +90,7 @@ def report(full: Repro, noop: list[Repro], change: list[Repro], args: argparse.N
             "",
             markdown_table(
                 ["dvc repro after", "wall s (median)", "wall s range", "stages run", f"s in {LISTING_STAGE} (median)",
-                 "s in the stages between (max)", f"s in {LAST_STAGE} (median)"],
+                 "s in the stages between (max)", f"s in {LAST_STAGE} (median)", f"s in {LINEAGE_STAGE} (median)"],
                 [row("no change", noop), row("evaluate.finetune.crop_pct changed", change)],
             ),
             "",

@@ -136,11 +136,15 @@ def test_imagefolder_needs_a_root():
         parse_params(with_change("data.source", "imagefolder"))
 
 
-def test_broken_yaml_and_missing_file(tmp_path):
+def test_broken_yaml_empty_and_missing_file(tmp_path):
     bad = tmp_path / "params.yaml"
     bad.write_text("data: [unclosed\n")
     with pytest.raises(ParamsError, match="not valid YAML"):
         load_params(bad)
+    for empty in ("", "# every key commented out\n"):  # would run silently on the schema's defaults
+        bad.write_text(empty)
+        with pytest.raises(ParamsError, match=r"params.yaml: empty \(no params\): restore it \(git checkout"):
+            load_params(bad)
     with pytest.raises(ParamsError, match="file not found"):
         load_params(tmp_path / "missing.yaml")
 

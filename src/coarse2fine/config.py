@@ -651,6 +651,10 @@ def load_params(path: str | Path = "params.yaml", *, check_model_names: bool = T
         raise ParamsError(f"{path}: file not found (run from the project root or pass --params)") from None
     except yaml.YAMLError as error:
         raise ParamsError(f"{path}: not valid YAML: {str(error).splitlines()[0]}") from None
+    if raw is None:  # an emptied or truncated file: the schema's defaults are not the shipped params.yaml's
+        raise ParamsError(
+            f"{path}: empty (no params): restore it (git checkout -- {path}) or write the keys the run should use"
+        )
     return parse_params(raw, str(path), check_model_names=check_model_names)
 
 

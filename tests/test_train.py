@@ -47,12 +47,15 @@ def random_batch(size: int, seed: int) -> dict[str, torch.Tensor]:
 
 def make_trainer(
     tmp_path: Path, *, runtime: Runtime | None = None, batches: int = 10, model_seed: int = 0,
-    provenance: dict[str, str] | None = None, loader: dict | None = None, **pretrain
+    provenance: dict[str, str] | None = None, loader: dict | None = None, train_batches: list | None = None,
+    **pretrain
 ) -> train.Trainer:
+    """A Trainer of a small VOLO; its loaders yield `train_batches` (train and val), else `batches` Nones (for the
+    tests that never iterate them)."""
     params = make_params(pretrain=pretrain, loader=loader or {})
     torch.manual_seed(model_seed)
     model = models.build_model(params.model, NUM_CLASSES, params.pretrain.img_size)
-    loader = ListLoader([None] * batches)
+    loader = ListLoader(train_batches or [None] * batches)
     return train.Trainer(
         stage="pretrain", params=params, cfg=params.pretrain, model=model, classes=[str(i) for i in range(NUM_CLASSES)],
         train_loader=loader, val_loader=loader, runtime=runtime or cpu_runtime(),
@@ -194,6 +197,34 @@ def test_an_update_steps_with_the_true_gradient_clipped_to_clip_grad(tmp_path, p
     trainer.optimizer_step()
     moves = [param.detach() - old for param, old in zip(trainer.model.parameters(), before)]
     assert torch.nn.utils.get_total_norm(moves).item() == pytest.approx(lr * (1 + momentum) * clip_grad, rel=1e-3)
+
+
+def test_a_nonfinite_loss_stops_the_stage_naming_epoch_and_step_and_keeps_the_last_checkpoint(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.setenv(train.NONFINITE_LOSS_HOOK, "2:3")  # epoch 2's third micro-batch diverges
+    trainer = make_trainer(tmp_path, train_batches=[random_batch(8, seed) for seed in range(4)], epochs=3, batch_size=8)
+    expected = (
+        r"pretrain: the training loss is not finite at epoch 2, step 3 of 4: stopped before this epoch's checkpoint "
+        rf"\(epoch 1's checkpoint in {tmp_path / 'ckpt'} is kept\); lower pretrain.optimizer.lr_base"
+    )
+    with pytest.raises(UserError, match=expected):
+        trainer.fit()
+    checkpoint = torch.load(trainer.checkpoint_path, weights_only=True)
+    assert checkpoint["epoch"] == 1 and len(checkpoint["history"]) == 1
+    assert all(torch.isfinite(weight).all() for weight in checkpoint["model"].values())  # the NaN update is not in it
+    assert not trainer.model_file.exists()
+
+
+def test_under_fp16_a_nonfinite_loss_is_a_skipped_update_counted_in_the_metrics(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    batches = [random_batch(8, seed) for seed in range(4)]
+    clean = make_trainer(tmp_path / "clean", train_batches=batches, epochs=1, batch_size=8, precision="fp16").fit()
+    monkeypatch.setenv(train.NONFINITE_LOSS_HOOK, "1:2")
+    poisoned = make_trainer(tmp_path / "poisoned", train_batches=batches, epochs=1, batch_size=8, precision="fp16")
+    metrics = poisoned.fit()
+    # The scaler halves its scale on every skip; the poisoned step is one more than the clean run's overflows.
+    assert metrics["skipped_updates"] == clean["skipped_updates"] + 1
+    assert all(torch.isfinite(weight).all() for weight in poisoned.model.state_dict().values())
 
 
 # ------------------------------------------------------------------------------------------------- checkpoints

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import random
 import shutil
 import time
@@ -61,7 +62,10 @@ from coarse2fine.tracking.identity import stage_params
 from coarse2fine.tracking.runs import Tracker
 
 CHECKPOINT_FILE = "last.pt"
-PROGRESS_EVERY = 10  # steps between updates of the progress bar's loss
+PROGRESS_EVERY = 10  # steps between updates of the progress bar's loss, and checks of a non-finite loss
+# Test-only fault injection: "EPOCH:STEP" (1-based) makes that micro-batch's loss NaN before its backward, as a
+# diverging run's would be (tests/test_train.py). Unset in any real run.
+NONFINITE_LOSS_HOOK = "C2F_TEST_NONFINITE_LOSS_AT"
 FUSED_OPTIMIZERS = ("adamw", "sgd")  # timm names torch.optim.AdamW and SGD, which have a fused kernel
 
 
@@ -178,6 +182,8 @@ class Trainer:
         self.objective = objective or losses.GroundTruthObjective.from_params(cfg, len(self.classes))
         # Only fp16 needs loss scaling; a disabled scaler passes everything straight through.
         self.scaler = torch.amp.GradScaler(runtime.device.type, enabled=self.autocast_dtype == torch.float16)
+        hook = os.environ.get(NONFINITE_LOSS_HOOK)
+        self.nonfinite_loss_at = tuple(map(int, hook.split(":"))) if hook else None
         self.ema = ModelEmaV3(self.model, decay=cfg.ema.decay) if cfg.ema.enabled else None
         self.updates = 0
         self.start_epoch = 0
@@ -248,7 +254,10 @@ class Trainer:
         self.train_forward.train()
         num_batches = len(self.train_loader)
         loss_sum = torch.zeros((), device=self.runtime.device)
-        samples = 0
+        samples = skipped_updates = 0
+        # Micro-batches whose loss was not finite, and the first one's index: on the device, read at the checks.
+        nonfinite = torch.zeros((), dtype=torch.long, device=self.runtime.device)
+        first_nonfinite = torch.full((), -1, dtype=torch.long, device=self.runtime.device)
         self.runtime.synchronize()  # GPU timings wait for the queued work, at both ends
         start = time.perf_counter()
         batches = progress(
@@ -260,14 +269,20 @@ class Trainer:
             first = index - index % self.cfg.accum_steps
             micro_steps = min(self.cfg.accum_steps, num_batches - first)
             is_last_micro_step = index == first + micro_steps - 1
-            loss = self.backward(batch, micro_steps, sync=is_last_micro_step)
+            poisoned = self.nonfinite_loss_at == (epoch + 1, index + 1)
+            loss = self.backward(batch, micro_steps, sync=is_last_micro_step, poisoned=poisoned)
             if is_last_micro_step:
-                self.optimizer_step()
+                skipped_updates += self.optimizer_step()
             batch_size = len(batch["label"])
             loss_sum += loss * batch_size
             samples += batch_size
+            bad = ~torch.isfinite(loss)
+            first_nonfinite = torch.where(bad & (first_nonfinite < 0), index, first_nonfinite)
+            nonfinite += bad
             if index % PROGRESS_EVERY == 0:  # loss.item() waits for the GPU: not on every step
+                self._stop_on_nonfinite_loss(epoch, nonfinite, first_nonfinite, num_batches)
                 batches.set_postfix(loss=f"{loss.item():.3f}", lr=f"{self._current_lr():.2e}", refresh=False)
+        self._stop_on_nonfinite_loss(epoch, nonfinite, first_nonfinite, num_batches)
         self.runtime.synchronize()
         seconds = time.perf_counter() - start
         if dist.is_initialized():
@@ -283,24 +298,49 @@ class Trainer:
             # Ranks step together (every update waits for the all-reduce), so each rank's rate is the mean.
             "train_img_per_s_per_rank": totals[1].item() / seconds / self.runtime.world_size,
             "epoch_seconds": seconds,
+            # fp16: the updates the grad scaler skipped for inf/NaN gradients (rank 0's; every rank skips alike).
+            **({"skipped_updates": skipped_updates} if self.scaler.is_enabled() else {}),
             **self.objective.target_metrics(distributed.all_reduce_sum),
         }
 
-    def backward(self, batch: dict[str, torch.Tensor], micro_steps: int, sync: bool) -> torch.Tensor:
+    def _stop_on_nonfinite_loss(
+        self, epoch: int, nonfinite: torch.Tensor, first_nonfinite: torch.Tensor, num_batches: int
+    ) -> None:
+        """Stop the stage at a non-finite loss (a collective: every rank stops together), before this epoch's
+        checkpoint, so the last good one stays. Not under fp16, whose grad scaler skips such updates (counted)."""
+        if self.scaler.is_enabled() or distributed.all_reduce_sum(nonfinite.clone()).item() == 0:
+            return
+        step = min(first for first in distributed.all_gather_objects(first_nonfinite.item()) if first >= 0) + 1
+        kept = f"epoch {epoch}'s checkpoint in {self.checkpoint_path.parent} is kept" if epoch else "no epoch had ended"
+        raise UserError(
+            f"{self.stage}: the training loss is not finite at epoch {epoch + 1}, step {step} of {num_batches}: "
+            f"stopped before this epoch's checkpoint ({kept}); lower {self.stage}.optimizer.lr_base, set "
+            f"{self.stage}.clip_grad, or train in fp32"
+        )
+
+    def backward(
+        self, batch: dict[str, torch.Tensor], micro_steps: int, sync: bool, poisoned: bool = False
+    ) -> torch.Tensor:
         """Accumulate the gradient of one micro-batch (1/micro_steps of the update); returns its detached loss.
 
         Without `sync`, the gradients are not reduced across ranks (DDP's no_sync, FSDP's
-        set_requires_gradient_sync): only once, on the update's last micro-batch.
+        set_requires_gradient_sync): only once, on the update's last micro-batch. `poisoned`: the loss made NaN
+        (NONFINITE_LOSS_HOOK, tests only).
         """
         with self.parallel.gradient_sync(self.train_forward, sync):
             dtype = self.autocast_dtype
             batch = self.objective.prepare(batch)
             with torch.autocast(self.runtime.device.type, dtype=dtype, enabled=dtype is not None):
                 loss = self.objective(self.train_forward(batch["image"]), batch)
+            if poisoned:
+                loss = loss * float("nan")
             self.scaler.scale(loss / micro_steps).backward()
         return loss.detach()
 
-    def optimizer_step(self) -> None:
+    def optimizer_step(self) -> bool:
+        """One update; returns whether fp16's grad scaler skipped it (inf/NaN gradients). With fp16 that costs a
+        wait for the device per update (the scale is read back); without it, nothing."""
+        scale = self.scaler.get_scale() if self.scaler.is_enabled() else None
         if self.cfg.clip_grad > 0:
             self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the fp16-scaled ones
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.clip_grad)
@@ -311,6 +351,7 @@ class Trainer:
         self.scheduler.step_update(self.updates)
         if self.ema:
             self.ema.update(self.model, step=self.updates)
+        return scale is not None and self.scaler.get_scale() < scale  # the scaler backs off on every skip
 
     def _validate(self) -> dict[str, float]:
         result = evaluate(self.eval_model, self.val_loader, self.runtime, len(self.classes), self.cfg.precision)

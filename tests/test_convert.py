@@ -212,6 +212,15 @@ def test_an_index_without_a_line_per_record_is_refused(digits_records, tmp_path)
         records.shard_files(copy, "train")
 
 
+def test_a_shard_cut_short_or_replaced_after_conversion_is_refused(digits_records, tmp_path):
+    copy = shutil.copytree(digits_records, tmp_path / "records")
+    (tfrecord, _), *_ = records.shard_files(copy, "train")
+    written = tfrecord.stat().st_size
+    tfrecord.write_bytes(tfrecord.read_bytes()[: written // 2])  # a copy stopped half-way
+    with pytest.raises(UserError, match=rf"{tfrecord.name}: {written // 2} bytes, but written with {written} .*dvc repro -f convert"):
+        records.shard_files(copy, "train")
+
+
 def test_output_is_independent_of_ranks_and_workers(converted):
     two, one = converted["two_ranks"], converted["one_rank"]
     assert records.read_manifest(two) == records.read_manifest(one)  # includes every shard's sha256

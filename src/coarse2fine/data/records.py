@@ -163,7 +163,9 @@ def shard_files(records_dir: str | Path, split: str) -> list[tuple[Path, Path]]:
     """(tfrecord, index) per shard of `split`, in index order, as the manifest lists them.
 
     Each index must have one line per record of its shard: DALI reads exactly the records an index lists, so a
-    truncated one would drop records without a word.
+    truncated one would drop records without a word. Each shard must have the size it was written with: a shard cut
+    short (a disk filled, a copy stopped) or replaced after conversion would fail deep inside DALI, or read other
+    records. (Its sha256 is in the manifest too, but reading every shard at every start costs minutes on ImageNet.)
     """
     records_dir = Path(records_dir)
     pairs = []
@@ -174,6 +176,11 @@ def shard_files(records_dir: str | Path, split: str) -> list[tuple[Path, Path]]:
                 raise UserError(
                     f"{path}: listed in {records_dir / MANIFEST_FILE} but missing; run the convert stage again"
                 )
+        if (size := tfrecord.stat().st_size) != shard["bytes"]:
+            raise UserError(
+                f"{tfrecord}: {size} bytes, but written with {shard['bytes']} ({records_dir / MANIFEST_FILE}): cut "
+                f"short or replaced since; run the convert stage again (dvc repro -f convert)"
+            )
         entries = index.read_bytes().count(b"\n")
         if entries != shard["count"]:
             raise UserError(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import os
 import re
+import resource
 import shutil
 import subprocess
 import sys
@@ -100,8 +101,11 @@ def build_image_folder(root: Path) -> Path:
     return root
 
 
-def run_stage(params: dict, params_path: Path, out: Path, nproc: int = 1) -> subprocess.Popen:
-    """Start stages/convert.py (under torchrun when nproc > 1) on `params` written to `params_path`."""
+def run_stage(
+    params: dict, params_path: Path, out: Path, nproc: int = 1, file_size_limit: int | None = None
+) -> subprocess.Popen:
+    """Start stages/convert.py (under torchrun when nproc > 1) on `params` written to `params_path`;
+    `file_size_limit`: the process's RLIMIT_FSIZE in bytes (a disk that fills up, for real)."""
     params_path.write_text(yaml.safe_dump(params, allow_unicode=True), encoding="utf-8")
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     metrics = out.parent / f"{out.name}-metrics"
@@ -112,8 +116,12 @@ def run_stage(params: dict, params_path: Path, out: Path, nproc: int = 1) -> sub
     # Runs may go concurrently: each gets its own MLflow store (two processes creating one sqlite store at
     # once race in its schema migration), beside its outputs rather than in the project.
     env = {**ENV, "MLFLOW_TRACKING_URI": f"sqlite:///{out.parent / f'{out.name}-mlflow.db'}"}
+    def limit_file_size() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
+
     return subprocess.Popen(
-        command, cwd=out.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        command, cwd=out.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=None if file_size_limit is None else limit_file_size,
     )
 
 
@@ -316,6 +324,23 @@ def test_bad_root_exits_2_with_one_line(tmp_path):
     stderr = process.communicate(timeout=120)[1]
     assert process.returncode == 2
     assert stderr.strip().count("\n") == 0 and str(missing) in stderr and "Traceback" not in stderr
+
+
+def test_a_disk_that_fills_up_while_writing_a_shard_is_one_line_and_the_rerun_succeeds(tmp_path):
+    """RLIMIT_FSIZE below a shard's size fails its write as a full disk does (EFBIG for ENOSPC)."""
+    data = {"source": "imagefolder", "root": str(build_image_folder(tmp_path / "images")), "train_shards": 1, "convert_workers": 1}
+    out = tmp_path / "out"
+    full = run_stage({"data": data}, tmp_path / "params.yaml", out, file_size_limit=4 * 1024)
+    stderr = full.communicate(timeout=300)[1]
+    assert full.returncode == 2 and "Traceback" not in stderr, stderr
+    (line,) = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert re.fullmatch(rf"error: {out}/train-\S+\.tfrecord: file too large while writing it .*and rerun", line)
+    assert not (out / records.MANIFEST_FILE).exists() and not list(out.glob(".*.tmp-*"))  # nothing taken as done
+    rerun = run_stage({"data": data}, tmp_path / "params.yaml", out)
+    assert rerun.communicate(timeout=300)[1] is not None and rerun.returncode == 0
+    assert sum(shard["count"] for shard in records.read_manifest(out)["splits"]["train"]["shards"]) == len(
+        read_split(out, "train")
+    )
 
 
 @pytest.mark.parametrize(

@@ -88,8 +88,12 @@ def report_user_error(error: UserError) -> None:
     error_dir = os.environ.get(ERROR_DIR_ENV)
     rank = os.environ.get("RANK", "0")
     if error_dir:
-        (Path(error_dir) / f"rank{rank}.txt").write_text(str(error), encoding="utf-8")
-    elif rank == "0":
+        try:
+            (Path(error_dir) / f"rank{rank}.txt").write_text(str(error), encoding="utf-8")
+            return
+        except OSError:  # the disk that stopped the stage may be the one the message goes to: say it here
+            pass
+    if rank == "0" or error_dir:
         print_user_error(error)
 
 

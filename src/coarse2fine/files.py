@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
 from pathlib import Path
 from typing import Any, Iterator
+
+from coarse2fine.errors import UserError
+
+# A full disk, a full quota, or the process's file-size limit (RLIMIT_FSIZE, as batch schedulers set it): a
+# writer can only stop cleanly, and say so.
+NO_SPACE_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 @contextlib.contextmanager
@@ -16,7 +23,8 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
 
     Readers (and a rerun after a crash) never see a half-written file: the rename is atomic on POSIX, the
     data is fsynced first so a power loss cannot leave a renamed but empty file, and the directory after, so
-    the rename itself survives one.
+    the rename itself survives one. Out of space (NO_SPACE_ERRORS): a UserError naming `path`, the temporary
+    file removed, `path` as it was.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -31,6 +39,13 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
             os.fsync(directory)
         finally:
             os.close(directory)
+    except OSError as error:
+        if error.errno not in NO_SPACE_ERRORS:
+            raise
+        raise UserError(
+            f"{path}: {os.strerror(error.errno).lower()} while writing it (nothing half-written is kept): free space, "
+            f"or raise the file-size limit, and rerun"
+        ) from None
     finally:
         temporary.unlink(missing_ok=True)
 

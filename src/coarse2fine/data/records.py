@@ -91,13 +91,16 @@ def write_shard(
     sha256 it returns are taken while writing."""
     stem = shard_stem(split, shard, num_shards)
     tfrecord_path, index_path = records_dir / f"{stem}.tfrecord", records_dir / f"{stem}.idx"
-    with atomic_path(tfrecord_path) as temporary_tfrecord, atomic_path(index_path) as temporary_index:
+    # One file after the other, so that a failed write names its own file; the manifest, written last, is what
+    # makes a shard and its index part of the records.
+    with atomic_path(tfrecord_path) as temporary_tfrecord:
         writer = _ShardWriter(temporary_tfrecord)
         try:
             for datum in examples:
                 writer.write_example(datum)
         finally:
             writer.close()
+    with atomic_path(index_path) as temporary_index:
         temporary_index.write_text("".join(writer.index_lines), encoding="ascii")
     return ShardInfo(
         split, tfrecord_path.name, index_path.name, first_index, len(writer.index_lines), writer.bytes,

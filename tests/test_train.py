@@ -250,11 +250,35 @@ def test_checkpoint_restores_the_whole_training_state(tmp_path):
     assert resumed.optimizer.param_groups[0]["lr"] == trainer.optimizer.param_groups[0]["lr"]
 
 
-def test_checkpoint_from_other_params_is_not_resumed(tmp_path, capsys):
-    make_trainer(tmp_path).save_checkpoint(1, [{}], run_id=None)
+def test_checkpoint_from_other_params_is_set_aside_not_resumed(tmp_path, capsys):
+    first = make_trainer(tmp_path)
+    first.save_checkpoint(1, [{}], run_id=None)
+    written = first.checkpoint_path.read_bytes()
     other = make_trainer(tmp_path, optimizer={"lr_base": 1e-3})
     assert other.load_checkpoint() is None and other.start_epoch == 0
-    assert "pretrain.optimizer.lr_base" in capsys.readouterr().out
+    assert not other.checkpoint_path.exists()  # the new run's first checkpoint cannot overwrite it
+    (aside,) = (tmp_path / "ckpt" / train.SET_ASIDE_DIR).iterdir()
+    assert aside.name.startswith("epoch1-") and (aside / other.checkpoint_path.name).read_bytes() == written
+    out = capsys.readouterr().out
+    assert f"written under other pretrain.optimizer.lr_base: set aside in {aside}" in out
+    assert f"{train.RESUME_ANYWAY}=1" in out
+
+
+def test_a_checkpoint_of_other_inputs_resumes_anyway_when_asked_and_the_run_says_so(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.setenv(train.RESUME_ANYWAY, "1")
+    finished = make_trainer(tmp_path, epochs=1)
+    finished.save_checkpoint(1, [{"val_top1": 90.0, "val_top5": 100.0}], run_id=None)
+    # A log-message edit changes the code digest: a day of training is still worth resuming.
+    edited = make_trainer(tmp_path, epochs=1, model_seed=1, provenance={"data_digest": "digits", "code": "def"})
+    edited.fit()  # from the checkpoint's last epoch: only writes the outputs (its loader would fail if iterated)
+    saved = torch.load(edited.model_file, weights_only=True)["model"]
+    torch.testing.assert_close(saved, finished.model.state_dict(), rtol=0, atol=0)
+    from mlflow import MlflowClient
+
+    store = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (run,) = store.search_runs([exp.experiment_id for exp in store.search_experiments()], "tags.stage = 'pretrain'")
+    assert run.data.tags[train.RESUMED_DESPITE_TAG] == "code"
 
 
 @pytest.mark.parametrize(

@@ -23,8 +23,9 @@ Checkpoint (`<checkpoint_dir>/last.pt`, rewritten atomically after every epoch, 
     inputs     what the result depends on: the params the stage reads (as dvc.yaml lists them: no speed knob
                such as loader.workers), the world size, and the stage's `provenance` (the data digest, the
                hash of the code the stage runs, the library versions). A checkpoint written under other
-               inputs is ignored, not resumed: a run killed under one params value must not be continued
-               under another, and the outputs must stay a function of what is on disk now.
+               inputs is set aside (SET_ASIDE_DIR), not resumed: a run killed under one params value must not
+               be continued under another, and the outputs must stay a function of what is on disk now; unless
+               the user asks for it (RESUME_ANYWAY), which the MLflow run records.
 
 The checkpoint dir is resume state, not a DVC output (dvc.yaml passes `.resume/<stage>`, ignored by git and
 DVC): a stage with such an output could not be restored from DVC's run cache. A finished run's result is what DVC
@@ -66,6 +67,11 @@ PROGRESS_EVERY = 10  # steps between updates of the progress bar's loss, and che
 # Test-only fault injection: "EPOCH:STEP" (1-based) makes that micro-batch's loss NaN before its backward, as a
 # diverging run's would be (tests/test_train.py). Unset in any real run.
 NONFINITE_LOSS_HOOK = "C2F_TEST_NONFINITE_LOSS_AT"
+# "1": resume a checkpoint although it was written under other inputs (other params, code, world size...): what
+# differs is printed and tagged on the MLflow run (RESUMED_DESPITE_TAG). Without it such a checkpoint is set aside.
+RESUME_ANYWAY = "C2F_RESUME_ANYWAY"
+RESUMED_DESPITE_TAG = "resumed_despite"
+SET_ASIDE_DIR = "set-aside"  # under the checkpoint directory: checkpoints of other inputs, never deleted
 FUSED_OPTIMIZERS = ("adamw", "sgd")  # timm names torch.optim.AdamW and SGD, which have a fused kernel
 
 
@@ -187,6 +193,7 @@ class Trainer:
         self.ema = ModelEmaV3(self.model, decay=cfg.ema.decay) if cfg.ema.enabled else None
         self.updates = 0
         self.start_epoch = 0
+        self.resumed_despite: list[str] = []  # the inputs a checkpoint resumed under RESUME_ANYWAY differed in
         # What the run's outcome depends on: a checkpoint written under anything else is stale.
         self.run_inputs = {
             **stage_params(params, self.param_sections), "world_size": str(runtime.world_size), **provenance
@@ -204,6 +211,8 @@ class Trainer:
             metrics_dir=self.metrics_dir, param_sections=self.param_sections, resume_run_id=run_id, system_metrics=True,
         ) as tracker:
             tracker.resume_history(history)
+            if self.resumed_despite:
+                tracker.set_tag(RESUMED_DESPITE_TAG, ", ".join(self.resumed_despite))
             cfg, world = self.cfg, self.runtime.world_size
             self._print(
                 f"{cfg.optimizer.describe_lr(self.global_batch)} (global batch {self.global_batch} = "
@@ -400,19 +409,41 @@ class Trainer:
         saved_inputs = checkpoint.get("inputs", {})
         changed = sorted(key for key in self.run_inputs.keys() | saved_inputs.keys()
                          if self.run_inputs.get(key) != saved_inputs.get(key))
-        if changed:
-            self._print(f"ignoring {self.checkpoint_path}, written under other {', '.join(changed)}: starting afresh")
+        if changed and os.environ.get(RESUME_ANYWAY) != "1":
+            aside = self._set_aside(checkpoint["epoch"])
+            self._print(
+                f"{self.checkpoint_path} was written under other {', '.join(changed)}: set aside in {aside}, starting "
+                f"afresh (to resume it anyway: stop, move its files back to {self.checkpoint_path.parent} and rerun "
+                f"with {RESUME_ANYWAY}=1)"
+            )
             return None
+        if changed:
+            self._print(f"resuming {self.checkpoint_path} written under other {', '.join(changed)} ({RESUME_ANYWAY}=1)")
+            self.resumed_despite = changed
         self.parallel.load_state(self.model, self.optimizer, checkpoint, self.checkpoint_path.parent)
         self.scheduler.load_state_dict(checkpoint["scheduler"])
         self.scaler.load_state_dict(checkpoint["scaler"])
         if self.ema:
             self.ema.module.load_state_dict(checkpoint["ema"])
-        _set_rng_state(checkpoint["rng"][self.runtime.rank])
+        if self.runtime.rank < len(checkpoint["rng"]):  # a rank the checkpointed run did not have keeps its seed
+            _set_rng_state(checkpoint["rng"][self.runtime.rank])
         self.updates = checkpoint["updates"]
         self.start_epoch = checkpoint["epoch"]
         self._print(f"resumed from epoch {self.start_epoch} ({self.checkpoint_path})")
         return checkpoint
+
+    def _set_aside(self, epoch: int) -> Path:
+        """Move the checkpoint (file and DCP shards) under SET_ASIDE_DIR, once every rank has read it: a run under
+        other inputs must not overwrite what may be days of training. Returns where it went."""
+        directory = self.checkpoint_path.parent
+        aside = directory / SET_ASIDE_DIR / f"epoch{epoch}-{time.strftime('%Y%m%dT%H%M%S')}"
+        distributed.barrier()
+        if self.runtime.is_main:
+            aside.mkdir(parents=True, exist_ok=True)
+            for path in [self.checkpoint_path, *directory.glob(f"{parallel.SHARDS_PREFIX}*")]:
+                path.rename(aside / path.name)
+        distributed.barrier()
+        return aside
 
 
 def _rng_state(runtime: Runtime) -> dict[str, Any]:

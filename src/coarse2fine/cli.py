@@ -91,10 +91,11 @@ def report_user_error(error: UserError) -> None:
         try:
             (Path(error_dir) / f"rank{rank}.txt").write_text(str(error), encoding="utf-8")
             return
-        except OSError:  # the disk that stopped the stage may be the one the message goes to: say it here
+        except OSError:  # the disk that stopped the stage may be the one the message goes to: print it instead
             pass
-    if rank == "0" or error_dir:
-        print_user_error(error)
+    elif rank != "0":
+        return
+    print_user_error(error)
 
 
 def check_params() -> None:

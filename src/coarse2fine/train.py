@@ -285,9 +285,10 @@ class Trainer:
             batch_size = len(batch["label"])
             loss_sum += loss * batch_size
             samples += batch_size
-            bad = ~torch.isfinite(loss)
-            first_nonfinite = torch.where(bad & (first_nonfinite < 0), index, first_nonfinite)
-            nonfinite += bad
+            if not self.scaler.is_enabled():  # fp16's scaler skips such steps itself (skipped_updates)
+                bad = ~torch.isfinite(loss)
+                first_nonfinite = torch.where(bad & (first_nonfinite < 0), index, first_nonfinite)
+                nonfinite += bad
             if index % PROGRESS_EVERY == 0:  # loss.item() waits for the GPU: not on every step
                 self._stop_on_nonfinite_loss(epoch, nonfinite, first_nonfinite, num_batches)
                 batches.set_postfix(loss=f"{loss.item():.3f}", lr=f"{self._current_lr():.2e}", refresh=False)

@@ -64,8 +64,8 @@ def rank_runtime(rank: int, world_size: int) -> Runtime:
     return Runtime(rank=rank, world_size=world_size, local_rank=rank, device=torch.device("cpu"))
 
 
-def epoch(loader, number: int) -> list[dict[str, torch.Tensor]]:
-    loader.set_epoch(number)
+def epoch(loader, number: int, start_batch: int = 0) -> list[dict[str, torch.Tensor]]:
+    loader.set_epoch(number, start_batch)
     return list(loader)
 
 
@@ -261,6 +261,9 @@ def test_same_seed_and_epoch_give_identical_batches_and_resume(digits_records, b
         assert_same_batches(expected, actual)
     # A new order, and a new share of the records for this rank (torch: a fresh permutation; DALI: the next shard).
     assert indices(first) != indices(second) and set(indices(first)) != set(indices(second))
+    # Resumed inside an epoch (a checkpoint taken there): the rest of that epoch's stream, batch for batch.
+    assert_same_batches(second[5:], epoch(resumed, 1, start_batch=5))
+    assert len(resumed) == len(uninterrupted)  # still the whole epoch's count: the Trainer's update arithmetic
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -33,6 +33,7 @@ host is timm's RandomErasing seeded by (seed, epoch, record index), as on the to
 from __future__ import annotations
 
 import contextlib
+import itertools
 import warnings
 from pathlib import Path
 from typing import Iterator
@@ -349,7 +350,9 @@ class DaliBackend:
         self._shards = shards
         self._host_finish = HostFinish(settings) if finishes_on_host(settings) else None
 
-    def batches(self, epoch: int) -> Iterator[dict[str, torch.Tensor]]:
+    def batches(self, epoch: int, start_batch: int = 0) -> Iterator[dict[str, torch.Tensor]]:
+        """From batch `start_batch` on: the pipeline runs through the batches before it (its readers and random
+        draws are streams), which are not finished or handed out."""
         settings = self._settings
         training = settings.split == "train"
         shards = self._shards
@@ -361,17 +364,19 @@ class DaliBackend:
             # stops after the batches every rank can fill, before the reader's end; the StopIteration is only a
             # guard.
             pipeline.build()
-            while True:
+            for produced in itertools.count():
                 try:
                     crops_and_rest = pipeline.run()
                 except StopIteration:
                     return
-                yield self._host_finish(crops_and_rest, epoch)
+                if produced >= start_batch:
+                    yield self._host_finish(crops_and_rest, epoch)
         outputs = TRAIN_OUTPUTS if training else VAL_OUTPUTS
         # DROP: a rank's partial last batch would be extra steps the other ranks do not take.
         policy = LastBatchPolicy.DROP if training else LastBatchPolicy.PARTIAL
         size_hw = torch.tensor([[settings.img_size, settings.img_size]])
-        for (batch,) in DALIGenericIterator(pipeline, list(outputs), reader_name=READER_NAME, last_batch_policy=policy):
+        iterator = DALIGenericIterator(pipeline, list(outputs), reader_name=READER_NAME, last_batch_policy=policy)
+        for (batch,) in itertools.islice(iterator, start_batch, None):
             yield with_affine(batch, size_hw.expand(len(batch["flip"]), 2)) if training else batch
 
     def _define(self, shards: list[tuple[Path, Path]], seed: int) -> Pipeline:

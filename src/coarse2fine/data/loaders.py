@@ -8,7 +8,10 @@ label, index, image_hw, and for training crop_box + flip + affine); `Loader` tur
 (window, flip, affine) on the runtime's device and stops every rank after the same number of batches.
 
 Determinism and resuming: every epoch's stream is a pure function of (seed, epoch, rank, world), so
-`set_epoch(e)` on a fresh loader reproduces epoch e of an uninterrupted run.
+`set_epoch(e)` on a fresh loader reproduces epoch e of an uninterrupted run, and `set_epoch(e, k)` the same epoch
+from its batch k on (a run resumed from a checkpoint taken inside an epoch). The torch backend starts its sampler
+at batch k (nothing is read for the batches before); DALI runs its pipeline through them without finishing them
+(it cannot seek: its shuffle buffer and random draws are a stream), which costs their decoding, not their training.
 - torch: the train order is `epoch_permutation` of the records, seeded by (seed, epoch); each sample's
   augmentation is seeded by (seed, epoch, record index), independent of workers and ranks.
 - DALI: a pipeline cannot be reseeded, and a long-lived one carries its shuffle/augmentation state from
@@ -218,7 +221,9 @@ def count_records(shards: list[tuple[Path, Path]]) -> list[int]:
 class Backend(Protocol):
     """What a backend gives `Loader`: raw batches of one epoch (CPU or device tensors)."""
 
-    def batches(self, epoch: int) -> Iterator[dict[str, torch.Tensor]]: ...
+    def batches(self, epoch: int, start_batch: int = 0) -> Iterator[dict[str, torch.Tensor]]:
+        """Epoch `epoch`'s raw batches from its batch `start_batch` on: those an uninterrupted epoch yields there."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -250,7 +255,7 @@ class Loader:
         self._impl = backend
         self._settings = settings
         self._token_labels = token_labels
-        self._epoch = 0
+        self._epoch = self._start_batch = 0
         runtime = settings.runtime
         if settings.split == "train":
             self._batches = train_batches_per_rank(settings.num_records, runtime.world_size, settings.batch_size)
@@ -259,14 +264,18 @@ class Loader:
             self.num_samples = len(shard_range(settings.num_records, runtime.rank, runtime.world_size))
             self._batches = math.ceil(self.num_samples / settings.batch_size)
 
-    def set_epoch(self, epoch: int) -> None:
-        self._epoch = epoch
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        """Iterate epoch `epoch` from its batch `start_batch` on (len() stays the whole epoch's batch count)."""
+        if not 0 <= start_batch < self._batches:
+            raise ValueError(f"start_batch {start_batch}: an epoch has {self._batches} batches")
+        self._epoch, self._start_batch = epoch, start_batch
 
     def __len__(self) -> int:
         return self._batches
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        for raw in itertools.islice(self._impl.batches(self._epoch), self._batches):
+        raw_batches = self._impl.batches(self._epoch, self._start_batch)
+        for raw in itertools.islice(raw_batches, self._batches - self._start_batch):
             yield self._contract_batch(raw)
 
     def _contract_batch(self, raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -269,7 +269,7 @@ class EpochSampler(Sampler):
 
     def __init__(self, settings: LoaderSettings):
         self.settings = settings
-        self.epoch = 0
+        self.epoch = self.start = 0  # start: the positions of the epoch's batches already trained on, skipped
 
     def positions(self) -> list[int]:
         settings, runtime = self.settings, self.settings.runtime
@@ -277,7 +277,7 @@ class EpochSampler(Sampler):
             return list(shard_range(settings.num_records, runtime.rank, runtime.world_size))
         order = epoch_permutation(settings.num_records, settings.seed, self.epoch)
         batches = train_batches_per_rank(settings.num_records, runtime.world_size, settings.batch_size)
-        return order[runtime.rank :: runtime.world_size][: batches * settings.batch_size].tolist()
+        return order[runtime.rank :: runtime.world_size][self.start : batches * settings.batch_size].tolist()
 
     def __iter__(self) -> Iterator[tuple[int, int]]:
         return iter([(self.epoch, position) for position in self.positions()])
@@ -305,6 +305,6 @@ class TorchBackend:
             generator=torch.Generator(),
         )
 
-    def batches(self, epoch: int) -> Iterator[dict[str, torch.Tensor]]:
-        self._sampler.epoch = epoch
+    def batches(self, epoch: int, start_batch: int = 0) -> Iterator[dict[str, torch.Tensor]]:
+        self._sampler.epoch, self._sampler.start = epoch, start_batch * self._loader.batch_size
         return iter(self._loader)

@@ -131,8 +131,8 @@ class InMemoryLoader:
         self.batches = batches
         self.token_labels = token_labels
 
-    def set_epoch(self, epoch: int) -> None:
-        pass
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        pass  # the bench times whole epochs
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         if self.token_labels is None:

@@ -41,16 +41,19 @@ def cpu_runtime() -> Runtime:
 
 
 class ListLoader:
-    """The loader interface over fixed batches (the schedule only needs its length)."""
+    """The loader interface over fixed batches, the same every epoch (the schedule only needs its length)."""
 
     def __init__(self, batches: list):
         self.batches = batches
+        self.start_batch = 0
 
-    def set_epoch(self, epoch: int) -> None:
-        pass
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        self.start_batch = start_batch  # for the next iteration only: a test may validate on the same loader
 
     def __iter__(self):
-        return iter(self.batches)
+        """Copies, as a real loader makes new tensors every epoch: Mixup mixes a batch in place."""
+        start, self.start_batch = self.start_batch, 0
+        return iter([batch and {key: value.clone() for key, value in batch.items()} for batch in self.batches[start:]])
 
     def __len__(self) -> int:
         return len(self.batches)

@@ -24,7 +24,7 @@ from torch import nn
 from coarse2fine import distributed, models, parallel, train
 from coarse2fine.config import CustomVolo, TimmModel
 from conftest import PROJECT_ROOT, make_params
-from test_scale_out import finish, outcome, start_pretrain
+from test_scale_out import finish, outcome, start_stage
 
 GLOBAL_BATCH = 8
 
@@ -55,7 +55,7 @@ SGD = {"optimizer": {"name": "sgd", "momentum": 0.9, "lr_base": 0.4}, "accum_ste
 
 
 def run_pretrain(out: Path, records: Path, strategy: str) -> Path:
-    finish(start_pretrain(out, records, {"nproc_per_node": 2}, {"parallel": {"strategy": strategy}, "pretrain": SGD}))
+    finish(start_stage(out, records, {"nproc_per_node": 2}, {"parallel": {"strategy": strategy}, "pretrain": SGD}))
     return out
 
 
@@ -93,7 +93,7 @@ def test_fsdp_trains_the_pretrain_stage_as_ddp_does(fsdp_run, digits_records, tm
 @pytest.mark.slow
 def test_a_killed_fsdp_stage_resumes_from_its_dcp_checkpoint_to_the_uninterrupted_result(fsdp_run, digits_records,
                                                                                         tmp_path):
-    process = start_pretrain(tmp_path, digits_records, {"nproc_per_node": 2},
+    process = start_stage(tmp_path, digits_records, {"nproc_per_node": 2},
                              {"parallel": {"strategy": "fsdp"}, "pretrain": SGD})
     checkpoint = tmp_path / "ckpt" / train.CHECKPOINT_FILE
     deadline = time.monotonic() + 600
@@ -103,10 +103,12 @@ def test_a_killed_fsdp_stage_resumes_from_its_dcp_checkpoint_to_the_uninterrupte
         time.sleep(0.05)
     os.killpg(process.pid, signal.SIGKILL)
     process.communicate(timeout=60)
-    assert torch.load(checkpoint, weights_only=True)["sharded"] == "shards-1"
-    assert (tmp_path / "ckpt" / "shards-1").is_dir()
+    killed_at = torch.load(checkpoint, weights_only=True)
+    # Named by the update count (every checkpoint of a run has its own, inside an epoch or at its end).
+    assert killed_at["epoch"] == 1 and killed_at["sharded"] == f"shards-{killed_at['updates']}"
+    assert (tmp_path / "ckpt" / killed_at["sharded"]).is_dir()
 
-    stdout = finish(start_pretrain(tmp_path, digits_records, {"nproc_per_node": 2},
+    stdout = finish(start_stage(tmp_path, digits_records, {"nproc_per_node": 2},
                                    {"parallel": {"strategy": "fsdp"}, "pretrain": SGD}))
     assert "resumed from epoch 1" in stdout
     (weights, metrics), (reference_weights, reference_metrics) = outcome(tmp_path), outcome(fsdp_run)

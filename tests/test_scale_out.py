@@ -68,9 +68,13 @@ def test_the_dry_run_prints_the_command_given_options_override_params(tmp_path):
 PRETRAIN = {"epochs": 2, "batch_size": 16, "token_label": {"enabled": False}}
 
 
-def start_pretrain(out: Path, records: Path, launch_settings: dict, changes: dict | None = None) -> subprocess.Popen:
-    """The pretrain stage through the launcher, as dvc.yaml runs it, with its own params file (`changes` merged
-    in) and outputs. One thread per rank everywhere, so that every layout computes with the same kernels."""
+def start_stage(
+    out: Path, records: Path, launch_settings: dict, changes: dict | None = None, stage: str = "pretrain",
+    arguments: tuple[str, ...] = (), env: dict[str, str] | None = None,
+) -> subprocess.Popen:
+    """A training stage (pretrain by default) through the launcher, as dvc.yaml runs it, with its own params file
+    (`changes` merged in), outputs, extra `arguments` (finetune: --init-from) and `env` variables, in a process
+    group of its own. One thread per rank everywhere, so that every layout computes with the same kernels."""
     out.mkdir(parents=True, exist_ok=True)
     params = out / "params.yaml"
     settings = {"data": {"source": "digits"}, "launch": launch_settings, "pretrain": dict(PRETRAIN)}
@@ -79,12 +83,12 @@ def start_pretrain(out: Path, records: Path, launch_settings: dict, changes: dic
     written.write_text(yaml.safe_dump(merge(settings, changes or {})))
     written.replace(params)
     command = [
-        sys.executable, "-m", "coarse2fine.launch", "stages/pretrain.py", "--params", str(params),
+        sys.executable, "-m", "coarse2fine.launch", f"stages/{stage}.py", "--params", str(params),
         "--records", str(records), "--token-labels", str(out / "no_labels"), "--checkpoint-dir", str(out / "ckpt"),
-        "--out", str(out / "model"), "--metrics", str(out / "metrics"),
+        "--out", str(out / "model"), "--metrics", str(out / "metrics"), *arguments,
     ]
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{out / 'mlflow.db'}", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(PROJECT_ROOT / "src")}
+           "PYTHONPATH": str(PROJECT_ROOT / "src"), **(env or {})}
     return subprocess.Popen(command, cwd=PROJECT_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
 
@@ -108,14 +112,14 @@ def outcome(out: Path) -> tuple[dict, dict]:
 @pytest.fixture(scope="module")
 def one_node_two_ranks(digits_records, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("one_node")
-    finish(start_pretrain(out, digits_records, {"nproc_per_node": 2}))
+    finish(start_stage(out, digits_records, {"nproc_per_node": 2}))
     return out
 
 
 @pytest.mark.slow
 def test_two_agents_at_a_c10d_rendezvous_train_as_one_node_with_two_ranks(one_node_two_ranks, digits_records, tmp_path):
     settings = {"nnodes": 2, "nproc_per_node": 1, "rdzv_endpoint": f"127.0.0.1:{free_ports(1)[0]}", "rdzv_id": "test"}
-    agents = [start_pretrain(tmp_path, digits_records, settings) for _ in range(2)]
+    agents = [start_stage(tmp_path, digits_records, settings) for _ in range(2)]
     outputs = [finish(agent) for agent in agents]
     assert sum("global batch 32 = 16 per device x 1 accumulated x 2 ranks" in text for text in outputs) == 1
     weights, metrics = outcome(tmp_path)
@@ -130,7 +134,7 @@ def test_two_agents_at_a_c10d_rendezvous_train_as_one_node_with_two_ranks(one_no
 
 @pytest.mark.slow
 def test_a_killed_rank_is_restarted_and_the_stage_ends_as_if_uninterrupted(one_node_two_ranks, digits_records, tmp_path):
-    process = start_pretrain(tmp_path, digits_records, {"nproc_per_node": 2, "max_restarts": 1})
+    process = start_stage(tmp_path, digits_records, {"nproc_per_node": 2, "max_restarts": 1})
     checkpoint = tmp_path / "ckpt" / train.CHECKPOINT_FILE
     deadline = time.monotonic() + 600
     while not checkpoint.exists():  # epoch 1 is saved: kill a rank while epoch 2 trains

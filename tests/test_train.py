@@ -48,11 +48,11 @@ def random_batch(size: int, seed: int) -> dict[str, torch.Tensor]:
 def make_trainer(
     tmp_path: Path, *, runtime: Runtime | None = None, batches: int = 10, model_seed: int = 0,
     provenance: dict[str, str] | None = None, loader: dict | None = None, train_batches: list | None = None,
-    **pretrain
+    checkpoint: dict | None = None, **pretrain
 ) -> train.Trainer:
     """A Trainer of a small VOLO; its loaders yield `train_batches` (train and val), else `batches` Nones (for the
     tests that never iterate them)."""
-    params = make_params(pretrain=pretrain, loader=loader or {})
+    params = make_params(pretrain=pretrain, loader=loader or {}, checkpoint=checkpoint or {})
     torch.manual_seed(model_seed)
     model = models.build_model(params.model, NUM_CLASSES, params.pretrain.img_size)
     loader = ListLoader(train_batches or [None] * batches)
@@ -204,8 +204,8 @@ def test_a_nonfinite_loss_stops_the_stage_naming_epoch_and_step_and_keeps_the_la
     monkeypatch.setenv(train.NONFINITE_LOSS_HOOK, "2:3")  # epoch 2's third micro-batch diverges
     trainer = make_trainer(tmp_path, train_batches=[random_batch(8, seed) for seed in range(4)], epochs=3, batch_size=8)
     expected = (
-        r"pretrain: the training loss is not finite at epoch 2, step 3 of 4: stopped before this epoch's checkpoint "
-        rf"\(epoch 1's checkpoint in {tmp_path / 'ckpt'} is kept\); lower pretrain.optimizer.lr_base"
+        r"pretrain: the training loss is not finite at epoch 2, step 3 of 4: stopped before the next checkpoint "
+        rf"\(the last, epoch 1's end, in {tmp_path / 'ckpt'} is kept\); lower pretrain.optimizer.lr_base"
     )
     with pytest.raises(UserError, match=expected):
         trainer.fit()
@@ -230,12 +230,18 @@ def test_under_fp16_a_nonfinite_loss_is_a_skipped_update_counted_in_the_metrics(
 # ------------------------------------------------------------------------------------------------- checkpoints
 
 
+def checkpoint_at(trainer: train.Trainer, epochs_done: int, history: list, run_id: str | None) -> None:
+    """Write the checkpoint a run of `trainer` would write at the end of epoch `epochs_done`."""
+    trainer.history, trainer.run_id = history, run_id
+    trainer.save_checkpoint(epochs_done)
+
+
 def test_checkpoint_restores_the_whole_training_state(tmp_path):
     trainer = make_trainer(tmp_path, ema={"enabled": True, "decay": 0.9})
     for update in range(3):
         trainer.backward(random_batch(8, seed=update), micro_steps=1, sync=True)
         trainer.optimizer_step()
-    trainer.save_checkpoint(1, [{"val_top1": 50.0}], run_id="run-1")
+    checkpoint_at(trainer, 1, [{"val_top1": 50.0}], "run-1")
     draws_after_save = (torch.rand(3).tolist(), np.random.rand(), random.random())
 
     assert torch.load(trainer.checkpoint_path, weights_only=True)["epoch"] == 1
@@ -250,9 +256,55 @@ def test_checkpoint_restores_the_whole_training_state(tmp_path):
     assert resumed.optimizer.param_groups[0]["lr"] == trainer.optimizer.param_groups[0]["lr"]
 
 
+def test_a_run_killed_inside_an_epoch_resumes_from_its_checkpoint_there_to_the_uninterrupted_result(
+    tmp_path, monkeypatch, capsys
+):
+    """Checkpoints every 2 updates (params checkpoint.every_updates): killed in epoch 2's fourth update, the run
+    resumes from epoch 2's second (not the epoch's start), trains only the batches after it, and ends with the
+    uninterrupted run's weights, EMA and metrics, bit for bit (Mixup draws from the checkpointed RNGs)."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    batches = [random_batch(8, seed) for seed in range(5)]
+    settings = dict(
+        train_batches=batches, epochs=2, batch_size=8, mixup={"mixup_alpha": 0.8}, ema={"enabled": True, "decay": 0.9},
+        checkpoint={"every_minutes": 0, "every_updates": 2},
+    )
+    train.seed_everything(0, cpu_runtime())  # Mixup draws from numpy's global RNG: both runs start from one state
+    uninterrupted = make_trainer(tmp_path / "uninterrupted", **settings)
+    expected = uninterrupted.fit()
+
+    train.seed_everything(0, cpu_runtime())
+    killed = make_trainer(tmp_path / "killed", **settings)
+    real_backward = killed.backward
+
+    def backward_until_update_9(*args, **kwargs):
+        if killed.updates == 8:  # epoch 2's fourth micro-batch, after the checkpoint of update 8 (batch 3 of 5)
+            raise KeyboardInterrupt("killed")
+        return real_backward(*args, **kwargs)
+
+    killed.backward = backward_until_update_9
+    with pytest.raises(KeyboardInterrupt):
+        killed.fit()
+    checkpoint = torch.load(killed.checkpoint_path, weights_only=True)
+    assert (checkpoint["epoch"], checkpoint["updates"], checkpoint["within_epoch"]["batches"]) == (1, 8, 3)
+
+    resumed = make_trainer(tmp_path / "killed", model_seed=1, **settings)
+    trained = []
+    real_resumed_backward = resumed.backward
+    resumed.backward = lambda batch, *args, **kwargs: trained.append(batch) or real_resumed_backward(batch, *args, **kwargs)
+    metrics = resumed.fit()
+    assert "resumed from epoch 2, batch 3 of 5" in capsys.readouterr().out
+    assert [batch["label"].tolist() for batch in trained] == [batches[k]["label"].tolist() for k in (3, 4)]  # the rest
+    timing = {"train_img_per_s", "train_img_per_s_per_rank", "epoch_seconds"}
+    assert {k: v for k, v in metrics.items() if k not in timing} == {k: v for k, v in expected.items() if k not in timing}
+    for name in ("model", "ema"):
+        final = [getattr(trainer, name).state_dict() if name == "model" else trainer.ema.module.state_dict()
+                 for trainer in (uninterrupted, resumed)]
+        torch.testing.assert_close(final[0], final[1], rtol=0, atol=0, msg=name)
+
+
 def test_checkpoint_from_other_params_is_set_aside_not_resumed(tmp_path, capsys):
     first = make_trainer(tmp_path)
-    first.save_checkpoint(1, [{}], run_id=None)
+    checkpoint_at(first, 1, [{}], None)
     written = first.checkpoint_path.read_bytes()
     other = make_trainer(tmp_path, optimizer={"lr_base": 1e-3})
     assert other.load_checkpoint() is None and other.start_epoch == 0
@@ -268,7 +320,7 @@ def test_a_checkpoint_of_other_inputs_resumes_anyway_when_asked_and_the_run_says
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     monkeypatch.setenv(train.RESUME_ANYWAY, "1")
     finished = make_trainer(tmp_path, epochs=1)
-    finished.save_checkpoint(1, [{"val_top1": 90.0, "val_top5": 100.0}], run_id=None)
+    checkpoint_at(finished, 1, [{"val_top1": 90.0, "val_top5": 100.0}], None)
     # A log-message edit changes the code digest: a day of training is still worth resuming.
     edited = make_trainer(tmp_path, epochs=1, model_seed=1, provenance={"data_digest": "digits", "code": "def"})
     edited.fit()  # from the checkpoint's last epoch: only writes the outputs (its loader would fail if iterated)
@@ -288,7 +340,7 @@ def test_a_checkpoint_of_other_inputs_resumes_anyway_when_asked_and_the_run_says
      ({"provenance": {"data_digest": "digits", "code": "abc", "version.torch": "9.9"}}, "version.torch")],
 )
 def test_checkpoint_from_other_code_data_or_libraries_is_not_resumed(tmp_path, capsys, changed, named):
-    make_trainer(tmp_path).save_checkpoint(1, [{}], run_id=None)
+    checkpoint_at(make_trainer(tmp_path), 1, [{}], None)
     other = make_trainer(tmp_path, **changed)
     assert other.load_checkpoint() is None and other.start_epoch == 0
     assert f"written under other {named}" in capsys.readouterr().out
@@ -297,22 +349,37 @@ def test_checkpoint_from_other_code_data_or_libraries_is_not_resumed(tmp_path, c
 def test_loader_speed_knobs_keep_a_checkpoint_resumable(tmp_path):
     """loader.workers and loader.prefetch change how fast batches come, not which (tests/test_loaders.py), so no
     stage lists them: the run resumes. The backend changes which."""
-    make_trainer(tmp_path, loader={"workers": 2, "prefetch": 2}).save_checkpoint(1, [{}], run_id=None)
+    checkpoint_at(make_trainer(tmp_path, loader={"workers": 2, "prefetch": 2}), 1, [{}], None)
     resumed = make_trainer(tmp_path, loader={"workers": 0, "prefetch": 4})
     assert resumed.load_checkpoint() is not None and resumed.start_epoch == 1
     assert make_trainer(tmp_path, loader={"backend": "torch"}).load_checkpoint() is None
 
 
-def test_a_checkpoint_that_cannot_be_read_for_a_transient_reason_is_not_called_corrupt(tmp_path, monkeypatch):
-    make_trainer(tmp_path).save_checkpoint(1, [{}], run_id=None)
+def test_a_checkpoint_that_cannot_be_read_for_a_transient_reason_is_retried_and_kept(tmp_path, monkeypatch, capsys):
+    checkpoint_at(make_trainer(tmp_path), 1, [{}], None)
     trainer = make_trainer(tmp_path)
+    written = trainer.checkpoint_path.read_bytes()
+    monkeypatch.setattr(train, "CHECKPOINT_READ_RETRY_SECONDS", 0.0)
+    real_load, failures = torch.load, []
+
+    def flaky_load(*args, **kwargs):  # a network file system's hiccup: the first two reads fail
+        if len(failures) < 2:
+            failures.append(1)
+            raise OSError(5, "Input/output error")
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", flaky_load)
+    assert trainer.load_checkpoint() is not None and trainer.start_epoch == 1
+    out = capsys.readouterr().out
+    assert "reading it failed ([Errno 5] Input/output error); try 2 of 3" in out and "try 3 of 3" in out
 
     def failing_load(*args, **kwargs):
         raise OSError(5, "Input/output error")
 
     monkeypatch.setattr(torch, "load", failing_load)
-    with pytest.raises(OSError, match="Input/output error"):  # not a UserError saying "delete it"
-        trainer.load_checkpoint()
+    with pytest.raises(UserError, match=r"could not be read in 3 tries \(\[Errno 5\] Input/output error\); it is kept"):
+        make_trainer(tmp_path).load_checkpoint()  # not "corrupt, delete it"
+    assert trainer.checkpoint_path.read_bytes() == written
     monkeypatch.undo()
     trainer.checkpoint_path.write_bytes(trainer.checkpoint_path.read_bytes()[:100])  # truncated: corrupt
     with pytest.raises(UserError, match="delete it to start afresh"):
@@ -325,7 +392,7 @@ def test_rerun_after_the_last_epoch_only_writes_the_outputs(tmp_path, monkeypatc
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     finished = make_trainer(tmp_path, epochs=2)
     history = [{"val_top1": 90.0, "val_top5": 100.0}, {"val_top1": 97.5, "val_top5": 100.0}]
-    finished.save_checkpoint(2, history, run_id=None)
+    checkpoint_at(finished, 2, history, None)
     rerun = make_trainer(tmp_path, epochs=2, model_seed=1)
     assert rerun.fit() == {"val_top1": 97.5, "val_top5": 100.0}
     assert not rerun.checkpoint_path.parent.exists()

@@ -14,7 +14,7 @@
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from timm.data import Mixup
@@ -63,6 +63,12 @@ class GroundTruthObjective:
 
     def target_metrics(self, all_reduce_sum: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, float]:
         return {}  # one-hot (smoothed or mixed) targets: nothing a user needs to watch
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}  # no running sums (Mixup's draws come from the global RNGs, which checkpoints hold)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
 
     def __call__(self, output: TrainOutput, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         # The logits inference uses (class + 0.5 x best token), which also gives the aux head a gradient, as
@@ -134,6 +140,14 @@ class TokenLabelObjective:
                 cls_target.new_tensor(float(len(labels))),
             ]).float()
         self.target_sums = sums if self.target_sums is None else self.target_sums + sums
+
+    def state_dict(self) -> dict[str, Any]:
+        """The sums since the last target_metrics (a checkpoint inside an epoch holds them: its metrics stay whole)."""
+        return {"target_sums": None if self.target_sums is None else self.target_sums.cpu()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """`state` from state_dict, its tensors already on the device (or {}: none since the epoch began)."""
+        self.target_sums = state.get("target_sums")
 
     def target_metrics(self, all_reduce_sum: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, float]:
         """The epoch's mean entropy (nats) and top-1 (% agreeing with the label) of the class and token targets."""

@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 from coarse2fine import distributed
 from coarse2fine.distributed import Runtime
 
-SHARDS_PREFIX = "shards-"  # beside the checkpoint file: DCP's files under FSDP, one directory per epoch
+SHARDS_PREFIX = "shards-"  # beside the checkpoint file: DCP's files under FSDP, a directory per checkpoint
 
 
 class Parallelism(Protocol):
@@ -54,7 +54,8 @@ class Parallelism(Protocol):
 
     def save_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, checkpoint_dir: Path,
                    tag: int) -> dict[str, Any]:
-        """Every rank calls it; what goes into the checkpoint file for the model and optimizer (`tag`: the epoch)."""
+        """Every rank calls it; what goes into the checkpoint file for the model and optimizer (`tag`: unique and
+        increasing within a run, the update count)."""
         ...
 
     def load_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, checkpoint: dict[str, Any],

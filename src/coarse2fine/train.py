@@ -3,15 +3,20 @@
 Per optimizer update: `accum_steps` micro-batches through DDP or FSDP2 (coarse2fine.parallel: a component
 built from params; gradients reduced only on the last micro-batch),
 optional clipping, the optimizer step, the per-update LR schedule and the EMA. Per epoch: validation,
-metrics, and a checkpoint that makes a killed run resumable with bit-identical results on CPU.
+metrics, and a checkpoint that makes a killed run resumable with bit-identical results on CPU; inside an epoch,
+a checkpoint every `checkpoint.every_minutes` or `checkpoint.every_updates` (params; `CheckpointSchedule`), after
+an update, from which a resumed run continues the epoch's sample stream (the loaders' `set_epoch(epoch, batch)`).
 The objective (losses.py) is given by the stage: label-smoothed cross-entropy on the ground truth by default,
 or token labeling (with MixToken when the model was built with it).
 
-Checkpoint (`<checkpoint_dir>/last.pt`, rewritten atomically after every epoch, loadable with
-`torch.load(weights_only=True)`; deleted once the stage's outputs are written, see below):
+Checkpoint (`<checkpoint_dir>/last.pt`, rewritten atomically after every epoch and inside one when due, loadable
+with `torch.load(weights_only=True)`; deleted once the stage's outputs are written, see below):
 
-    epoch      epochs completed = the next epoch to run; also the loaders' whole state, since their
+    epoch      epochs completed = the next epoch to run; with `within_epoch`, the loaders' whole state, since their
                stream is a function of (seed, epoch, rank, world)
+    within_epoch   None at an epoch's end; inside one, `EpochProgress` as a dict: the micro-batches of epoch `epoch`
+               already trained on, and the epoch's sums so far (loss, samples, seconds, skipped updates, the
+               objective's target statistics), so that its metrics come out as an uninterrupted epoch's
     updates    optimizer updates so far (the scheduler's and the EMA's clock)
     model, optimizer, scheduler, scaler, ema    state dicts (ema: None when off); under FSDP `sharded` instead
                of model and optimizer: the DCP directory beside the file holding them (coarse2fine.parallel)
@@ -40,6 +45,7 @@ import os
 import random
 import shutil
 import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 
@@ -73,6 +79,9 @@ RESUME_ANYWAY = "C2F_RESUME_ANYWAY"
 RESUMED_DESPITE_TAG = "resumed_despite"
 SET_ASIDE_DIR = "set-aside"  # under the checkpoint directory: checkpoints of other inputs, never deleted
 FUSED_OPTIMIZERS = ("adamw", "sgd")  # timm names torch.optim.AdamW and SGD, which have a fused kernel
+# Reading a checkpoint that fails with an OSError (a network file system's hiccup): tries, and seconds between them.
+CHECKPOINT_READ_TRIES = 3
+CHECKPOINT_READ_RETRY_SECONDS = 5.0
 
 
 class Objective(Protocol):
@@ -84,12 +93,18 @@ class Objective(Protocol):
     def target_metrics(self, all_reduce_sum: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, float]:
         """What the targets taught since the last call, over every rank (e.g. their entropy); {} for none."""
         ...
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's sums behind target_metrics since the last call (a checkpoint inside an epoch holds them)."""
+        ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 class Loader(Protocol):
     """What the Trainer needs of `data.loaders.build_loader`'s result (see docs/contracts.md)."""
 
-    def set_epoch(self, epoch: int) -> None: ...
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        """Iterate epoch `epoch` from its batch `start_batch` on, exactly as an uninterrupted epoch goes on there."""
+        ...
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]: ...
     def __len__(self) -> int: ...
 
@@ -128,6 +143,49 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: config.Train, updates
     return PolyLRScheduler(
         optimizer, t_initial=max(cfg.epochs * updates_per_epoch - warmup, 1), power=1.0, warmup_prefix=True, **common
     )
+
+
+class CheckpointSchedule:
+    """When a checkpoint is due inside an epoch (params `checkpoint`): every `every_updates` optimizer updates, or
+    once `every_minutes` have passed since the last checkpoint. The clock is read every PROGRESS_EVERY updates and
+    agreed on by every rank (one scalar all-reduce then: all of them must save together)."""
+
+    def __init__(self, cfg: config.Checkpoint, device: torch.device):
+        self.cfg, self.device = cfg, device
+        self.last = time.monotonic()
+
+    def due(self, updates: int) -> bool:
+        if self.cfg.every_updates and updates % self.cfg.every_updates == 0:
+            return True
+        if not self.cfg.every_minutes or updates % PROGRESS_EVERY:
+            return False
+        late = time.monotonic() - self.last >= self.cfg.every_minutes * 60
+        return distributed.all_reduce_sum(torch.tensor(float(late), device=self.device)).item() > 0
+
+    def saved(self) -> None:
+        self.last = time.monotonic()
+
+
+@dataclass
+class EpochProgress:
+    """An epoch's running sums on this rank: its metrics at the end come from them. A checkpoint inside the epoch
+    holds them (`within_epoch`), so that a resumed epoch's metrics are an uninterrupted one's."""
+
+    batches: int = 0  # micro-batches trained on
+    loss_sum: torch.Tensor | None = None  # sum of the micro-batch losses x their sizes (on the device)
+    samples: int = 0
+    seconds: float = 0.0  # of training, before this process resumed the epoch
+    skipped_updates: int = 0
+    objective: dict[str, Any] = field(default_factory=dict)  # the objective's state_dict
+
+    def to_checkpoint(self) -> dict[str, Any]:
+        return {**asdict(self), "loss_sum": self.loss_sum.cpu()}
+
+    @classmethod
+    def from_checkpoint(cls, state: dict[str, Any], device: torch.device) -> EpochProgress:
+        objective = {key: value.to(device) if isinstance(value, torch.Tensor) else value
+                     for key, value in state["objective"].items()}
+        return cls(**{**state, "loss_sum": state["loss_sum"].to(device), "objective": objective})
 
 
 class Trainer:
@@ -191,8 +249,13 @@ class Trainer:
         hook = os.environ.get(NONFINITE_LOSS_HOOK)
         self.nonfinite_loss_at = tuple(map(int, hook.split(":"))) if hook else None
         self.ema = ModelEmaV3(self.model, decay=cfg.ema.decay) if cfg.ema.enabled else None
+        self.checkpoints = CheckpointSchedule(params.checkpoint, runtime.device)
         self.updates = 0
         self.start_epoch = 0
+        self.resumed_epoch: EpochProgress | None = None  # where a checkpoint taken inside an epoch left it
+        self.history: list[dict[str, float]] = []  # every finished epoch's metrics
+        self.run_id: str | None = None  # the MLflow run (checkpointed: a resumed run continues it)
+        self.last_checkpoint: str | None = None  # what the checkpoint on disk holds (for messages); None: none
         self.resumed_despite: list[str] = []  # the inputs a checkpoint resumed under RESUME_ANYWAY differed in
         # What the run's outcome depends on: a checkpoint written under anything else is stale.
         self.run_inputs = {
@@ -203,14 +266,13 @@ class Trainer:
 
     def fit(self) -> dict[str, float]:
         """Train the remaining epochs; write the final model file and metrics; return the last epoch's metrics."""
-        checkpoint = self.load_checkpoint()
-        run_id = checkpoint["run_id"] if checkpoint else None
-        history = checkpoint["history"] if checkpoint else []
+        self.load_checkpoint()
         with Tracker(
-            self.stage, self.params, self.runtime,
-            metrics_dir=self.metrics_dir, param_sections=self.param_sections, resume_run_id=run_id, system_metrics=True,
+            self.stage, self.params, self.runtime, metrics_dir=self.metrics_dir, param_sections=self.param_sections,
+            resume_run_id=self.run_id, system_metrics=True,
         ) as tracker:
-            tracker.resume_history(history)
+            self.run_id = tracker.run_id
+            tracker.resume_history(self.history)
             if self.resumed_despite:
                 tracker.set_tag(RESUMED_DESPITE_TAG, ", ".join(self.resumed_despite))
             cfg, world = self.cfg, self.runtime.world_size
@@ -223,8 +285,8 @@ class Trainer:
                 tracker.log_records(self.records_dir, split)
             for epoch in range(self.start_epoch, self.cfg.total_epochs):
                 metrics = self._train_epoch(epoch) | self._validate()
-                history.append(metrics)
-                self.save_checkpoint(epoch + 1, history, tracker.run_id)
+                self.history.append(metrics)
+                self.save_checkpoint(epoch + 1)
                 tracker.log_metrics(metrics, step=epoch)
                 self._print(
                     f"epoch {epoch + 1}/{self.cfg.total_epochs}: train loss {metrics['train_loss']:.4f}, "
@@ -251,7 +313,7 @@ class Trainer:
                 shutil.rmtree(shards)
             with contextlib.suppress(OSError):  # the dir, if nothing else is in it
                 self.checkpoint_path.parent.rmdir()
-        return history[-1] if history else {}
+        return self.history[-1] if self.history else {}
 
     @property
     def eval_model(self) -> nn.Module:
@@ -259,21 +321,23 @@ class Trainer:
         return self.parallel.whole(self.ema.module if self.ema else self.model)
 
     def _train_epoch(self, epoch: int) -> dict[str, float]:
-        self.train_loader.set_epoch(epoch)
+        sums = self.resumed_epoch or EpochProgress(loss_sum=torch.zeros((), device=self.runtime.device))
+        self.resumed_epoch = None
+        self.objective.load_state_dict(sums.objective)
+        self.train_loader.set_epoch(epoch, sums.batches)
         self.train_forward.train()
         num_batches = len(self.train_loader)
-        loss_sum = torch.zeros((), device=self.runtime.device)
-        samples = skipped_updates = 0
         # Micro-batches whose loss was not finite, and the first one's index: on the device, read at the checks.
         nonfinite = torch.zeros((), dtype=torch.long, device=self.runtime.device)
         first_nonfinite = torch.full((), -1, dtype=torch.long, device=self.runtime.device)
         self.runtime.synchronize()  # GPU timings wait for the queued work, at both ends
         start = time.perf_counter()
         batches = progress(
-            self.train_loader, total=num_batches, desc=f"{self.stage} epoch {epoch + 1}/{self.cfg.total_epochs}",
-            disable=not self.runtime.is_main, leave=False,
+            self.train_loader, total=num_batches, initial=sums.batches,
+            desc=f"{self.stage} epoch {epoch + 1}/{self.cfg.total_epochs}", disable=not self.runtime.is_main,
+            leave=False,
         )
-        for index, batch in enumerate(batches):
+        for index, batch in enumerate(batches, start=sums.batches):
             # An update averages `accum_steps` micro-batches; the epoch's last one may get fewer.
             first = index - index % self.cfg.accum_steps
             micro_steps = min(self.cfg.accum_steps, num_batches - first)
@@ -281,10 +345,11 @@ class Trainer:
             poisoned = self.nonfinite_loss_at == (epoch + 1, index + 1)
             loss = self.backward(batch, micro_steps, sync=is_last_micro_step, poisoned=poisoned)
             if is_last_micro_step:
-                skipped_updates += self.optimizer_step()
+                sums.skipped_updates += self.optimizer_step()
             batch_size = len(batch["label"])
-            loss_sum += loss * batch_size
-            samples += batch_size
+            sums.loss_sum += loss * batch_size
+            sums.samples += batch_size
+            sums.batches = index + 1
             if not self.scaler.is_enabled():  # fp16's scaler skips such steps itself (skipped_updates)
                 bad = ~torch.isfinite(loss)
                 first_nonfinite = torch.where(bad & (first_nonfinite < 0), index, first_nonfinite)
@@ -292,15 +357,23 @@ class Trainer:
             if index % PROGRESS_EVERY == 0:  # loss.item() waits for the GPU: not on every step
                 self._stop_on_nonfinite_loss(epoch, nonfinite, first_nonfinite, num_batches)
                 batches.set_postfix(loss=f"{loss.item():.3f}", lr=f"{self._current_lr():.2e}", refresh=False)
+            # Inside the epoch only: its end checkpoints anyway, after validation.
+            if is_last_micro_step and sums.batches < num_batches and self.checkpoints.due(self.updates):
+                self._stop_on_nonfinite_loss(epoch, nonfinite, first_nonfinite, num_batches)  # never save a NaN
+                self.runtime.synchronize()
+                sums.seconds += time.perf_counter() - start
+                sums.objective = self.objective.state_dict()
+                self.save_checkpoint(epoch, within_epoch=sums)
+                start = time.perf_counter()
         self._stop_on_nonfinite_loss(epoch, nonfinite, first_nonfinite, num_batches)
         self.runtime.synchronize()
-        seconds = time.perf_counter() - start
+        seconds = sums.seconds + time.perf_counter() - start
         if dist.is_initialized():
             # DDP gives every forward rank 0's BatchNorm statistics, but each rank's last forward updated its
             # own: average them (as timm's train.py does), so that every rank validates the same model.
             for module in (self.model, self.ema.module) if self.ema else (self.model,):
                 distribute_bn(module, self.runtime.world_size, reduce=True)
-        totals = distributed.all_reduce_sum(torch.stack([loss_sum, loss_sum.new_tensor(float(samples))]))
+        totals = distributed.all_reduce_sum(torch.stack([sums.loss_sum, sums.loss_sum.new_tensor(float(sums.samples))]))
         return {
             "train_loss": (totals[0] / totals[1]).item(),
             "lr": self._current_lr(),
@@ -309,7 +382,7 @@ class Trainer:
             "train_img_per_s_per_rank": totals[1].item() / seconds / self.runtime.world_size,
             "epoch_seconds": seconds,
             # fp16: the updates the grad scaler skipped for inf/NaN gradients (rank 0's; every rank skips alike).
-            **({"skipped_updates": skipped_updates} if self.scaler.is_enabled() else {}),
+            **({"skipped_updates": sums.skipped_updates} if self.scaler.is_enabled() else {}),
             **self.objective.target_metrics(distributed.all_reduce_sum),
         }
 
@@ -321,10 +394,11 @@ class Trainer:
         if self.scaler.is_enabled() or distributed.all_reduce_sum(nonfinite.clone()).item() == 0:
             return
         step = min(first for first in distributed.all_gather_objects(first_nonfinite.item()) if first >= 0) + 1
-        kept = f"epoch {epoch}'s checkpoint in {self.checkpoint_path.parent} is kept" if epoch else "no epoch had ended"
+        kept = (f"the last, {self.last_checkpoint}, in {self.checkpoint_path.parent} is kept" if self.last_checkpoint
+                else "there was none yet")
         raise UserError(
             f"{self.stage}: the training loss is not finite at epoch {epoch + 1}, step {step} of {num_batches}: "
-            f"stopped before this epoch's checkpoint ({kept}); lower {self.stage}.optimizer.lr_base, set "
+            f"stopped before the next checkpoint ({kept}); lower {self.stage}.optimizer.lr_base, set "
             f"{self.stage}.clip_grad, or train in fp32"
         )
 
@@ -376,37 +450,67 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------ checkpoints
 
-    def save_checkpoint(self, epochs_done: int, history: Sequence[dict[str, float]], run_id: str | None) -> None:
-        rng = distributed.all_gather_objects(_rng_state(self.runtime))  # collectives: every rank calls them
-        weights = self.parallel.save_state(self.model, self.optimizer, self.checkpoint_path.parent, epochs_done)
+    def save_checkpoint(self, epochs_done: int, within_epoch: EpochProgress | None = None) -> None:
+        """Every rank calls it (collectives); rank 0 writes the file (`within_epoch`: taken inside epoch
+        `epochs_done`, its progress so far)."""
+        rng = distributed.all_gather_objects(_rng_state(self.runtime))
+        # Named by the update count: unique among a run's checkpoints, an epoch's end and inside one alike.
+        weights = self.parallel.save_state(self.model, self.optimizer, self.checkpoint_path.parent, self.updates)
+        self.checkpoints.saved()
+        self.last_checkpoint = self._describe_checkpoint(epochs_done, within_epoch)
         if not self.runtime.is_main:
             return
         models.atomic_save(
             {
                 "epoch": epochs_done,
+                "within_epoch": within_epoch.to_checkpoint() if within_epoch else None,
                 "updates": self.updates,
                 **weights,
                 "scheduler": self.scheduler.state_dict(),
                 "scaler": self.scaler.state_dict(),
                 "ema": self.ema.module.state_dict() if self.ema else None,
                 "rng": rng,
-                "run_id": run_id,
-                "history": list(history),
+                "run_id": self.run_id,
+                "history": list(self.history),
                 "inputs": self.run_inputs,
             },
             self.checkpoint_path,
         )
 
+    def _describe_checkpoint(self, epoch: int, within_epoch: EpochProgress | None) -> str:
+        """For messages: "epoch 3's end", "epoch 4, batch 120 of 500"."""
+        if within_epoch:
+            return f"epoch {epoch + 1}, batch {within_epoch.batches} of {len(self.train_loader)}"
+        return f"epoch {epoch}'s end"
+
+    def _read_checkpoint(self) -> dict[str, Any]:
+        """The checkpoint file on the CPU (RNG states must stay CPU tensors; load_state_dict moves the rest). A
+        corrupt file is a UserError; an OSError (a network file system's hiccup) is retried, then a UserError
+        saying the file is kept; lack of memory propagates as itself."""
+        attempt = 1
+        while True:
+            try:
+                return models.load_file(self.checkpoint_path, "checkpoint")
+            except UserError as error:
+                raise UserError(f"{error}; delete it to start afresh") from None
+            except OSError as error:
+                if attempt == CHECKPOINT_READ_TRIES:
+                    raise UserError(
+                        f"{self.checkpoint_path}: could not be read in {attempt} tries ({error}); it is kept: rerun "
+                        f"once the file system is back"
+                    ) from None
+                attempt += 1
+                self._print(
+                    f"{self.checkpoint_path}: reading it failed ({error}); try {attempt} of {CHECKPOINT_READ_TRIES} "
+                    f"in {CHECKPOINT_READ_RETRY_SECONDS:g} s"
+                )
+                time.sleep(CHECKPOINT_READ_RETRY_SECONDS)
+
     def load_checkpoint(self) -> dict[str, Any] | None:
         """Restore everything from the checkpoint, if there is one written under the same params."""
         if not self.checkpoint_path.exists():
             return None
-        # CPU first: RNG states must stay CPU tensors; load_state_dict moves the rest where it belongs.
-        # Only a corrupt file is a UserError (delete it); an I/O error or lack of memory propagates as itself.
-        try:
-            checkpoint = models.load_file(self.checkpoint_path, "checkpoint")
-        except UserError as error:
-            raise UserError(f"{error}; delete it to start afresh") from None
+        checkpoint = self._read_checkpoint()
         saved_inputs = checkpoint.get("inputs", {})
         changed = sorted(key for key in self.run_inputs.keys() | saved_inputs.keys()
                          if self.run_inputs.get(key) != saved_inputs.get(key))
@@ -430,7 +534,12 @@ class Trainer:
             _set_rng_state(checkpoint["rng"][self.runtime.rank])
         self.updates = checkpoint["updates"]
         self.start_epoch = checkpoint["epoch"]
-        self._print(f"resumed from epoch {self.start_epoch} ({self.checkpoint_path})")
+        self.history, self.run_id = list(checkpoint["history"]), checkpoint["run_id"]
+        within_epoch = checkpoint.get("within_epoch")
+        if within_epoch:
+            self.resumed_epoch = EpochProgress.from_checkpoint(within_epoch, self.runtime.device)
+        self.last_checkpoint = self._describe_checkpoint(self.start_epoch, self.resumed_epoch)
+        self._print(f"resumed from {self.last_checkpoint} ({self.checkpoint_path})")
         return checkpoint
 
     def _set_aside(self, epoch: int) -> Path:

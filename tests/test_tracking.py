@@ -29,8 +29,8 @@ from coarse2fine.data.loaders import eval_transform
 from coarse2fine.errors import UserError
 from coarse2fine.distributed import Runtime
 from coarse2fine.tracking.identity import (
-    DVC_EXPERIMENT_TAG, GIT_COMMIT_TAG, GIT_DIRTY_TAG, PIPELINE_KEY_TAG, PIPELINE_STAGE, STAGE_TAG, outputs_digest,
-    stage_params, tracking_uri,
+    DVC_EXPERIMENT_TAG, GIT_COMMIT_TAG, GIT_DIRTY_TAG, PIPELINE_KEY_TAG, PIPELINE_STAGE, REPLACED_BY_TAG, STAGE_TAG,
+    outputs_digest, stage_params, tracking_uri,
 )
 from coarse2fine.tracking.lineage import record_lineage
 from coarse2fine.tracking.models import load_logged_model
@@ -450,6 +450,24 @@ def test_failure_marks_the_run_failed_and_flushes_dvclive(workdir, store, reques
     assert client(store).get_run(tracker.run_id).info.status == "KILLED"
 
 
+def test_a_run_left_running_by_a_kill_ends_killed_when_its_stage_runs_again(workdir, store, request):
+    """SIGKILL leaves a run RUNNING (nothing could end it). The stage's next run in the same pipeline run ends it
+    KILLED and names itself on it: the UI never shows a live or a second finished run of one stage."""
+    params = params_for(request)
+
+    def opened(stage: str) -> Tracker:  # entered and never left: as a killed process leaves it
+        return Tracker(stage, params, cpu_runtime(), metrics_dir=workdir / stage, param_sections=()).__enter__()
+
+    killed, other_stage = opened("convert"), opened("evaluate@pretrain")
+    with Tracker("convert", params, cpu_runtime(), metrics_dir=workdir / "again", param_sections=()) as rerun:
+        pass
+    runs = {run_id: client(store).get_run(run_id) for run_id in (killed.run_id, other_stage.run_id, rerun.run_id)}
+    assert runs[killed.run_id].info.status == "KILLED"
+    assert runs[killed.run_id].data.tags[REPLACED_BY_TAG] == rerun.run_id
+    assert runs[other_stage.run_id].info.status == "RUNNING"  # another stage's run is its own stage's business
+    assert runs[rerun.run_id].info.status == "FINISHED"
+
+
 def test_resuming_a_run_missing_from_the_store_starts_a_new_one(workdir, store, request, caplog):
     with Tracker(
         "pretrain", params_for(request), cpu_runtime(), metrics_dir=workdir / "m", param_sections=PRETRAIN_SECTIONS, resume_run_id="0" * 32
@@ -700,6 +718,8 @@ def test_each_stage_logs_exactly_the_params_dvc_tracks_for_it(stage):
 # How fast a stage runs, never what it writes: the loaders' streams (tests/test_loaders.py), the token labels
 # (tests/test_generate.py) and the records (tests/test_convert.py) are the same whatever their values.
 SPEED_KNOBS = ("loader.workers", "loader.prefetch", "data.convert_workers")
+# How often the training stages checkpoint: a resumed run ends as an uninterrupted one (tests/faults/).
+CHECKPOINT_KNOBS = ("checkpoint.every_minutes", "checkpoint.every_updates")
 
 
 def test_no_stage_reruns_for_a_speed_knob():
@@ -709,7 +729,7 @@ def test_no_stage_reruns_for_a_speed_knob():
     dvc_stages = yaml.safe_load((PROJECT_ROOT / "dvc.yaml").read_text())["stages"]
     listed = {name: stage.get("do", stage).get("params", []) for name, stage in dvc_stages.items()}
     for name, keys in listed.items():
-        for knob in SPEED_KNOBS:
+        for knob in SPEED_KNOBS + CHECKPOINT_KNOBS:
             assert not any(knob == key or knob.startswith(f"{key}.") for key in keys), (name, knob)
     params = parse_params({})
     read = {key for name in ("convert", "teacher") for key in stage_params(params, listed[name])}

@@ -22,6 +22,9 @@ PIPELINE_KEY_TAG = "pipeline.key"
 # MLflow's MLFLOW_GIT_COMMIT (mlflow.utils.mlflow_tags; importing it imports all of mlflow): the UI's commit column.
 # tests/test_tracking.py pins the two equal.
 GIT_COMMIT_TAG = "mlflow.source.git.commit"
+# On a stage run found RUNNING when a new run of that stage starts in the same pipeline run: it was killed (nothing
+# could end it) and is ended KILLED, naming the run that replaced it.
+REPLACED_BY_TAG = "replaced_by"
 # On a pipeline run: STAGE_TAG = PIPELINE_STAGE.
 PIPELINE_STAGE = "pipeline"
 # Lineage: a run's outputs as DVC hashed them, and a cached stage's link to the run that made them.

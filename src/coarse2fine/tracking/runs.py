@@ -27,7 +27,8 @@ from coarse2fine.data import records
 from coarse2fine.distributed import Runtime
 from coarse2fine.files import file_sha256
 from coarse2fine.tracking.identity import (
-    MODEL_EVALUATED_TAG, MODEL_ID_TAG, MODEL_MADE_BY_TAG, MODEL_WRITTEN_TAG, STAGE_TAG, stage_params, tracking_uri,
+    MODEL_EVALUATED_TAG, MODEL_ID_TAG, MODEL_MADE_BY_TAG, MODEL_WRITTEN_TAG, REPLACED_BY_TAG, STAGE_TAG, stage_params,
+    tracking_uri,
 )
 from coarse2fine.tracking.live import FileOnlyLive
 from coarse2fine.tracking.models import log_model
@@ -145,9 +146,23 @@ class Tracker:
         tags |= {STAGE_TAG: self.stage, MLFLOW_PARENT_RUN_ID: self.pipeline_run_id,
                  MLFLOW_SOURCE_NAME: sys.argv[0], MLFLOW_SOURCE_TYPE: "LOCAL"}
         run = self._client.create_run(experiment_id, run_name=self.stage, tags=tags)
+        self._end_killed_runs(experiment_id, replaced_by=run.info.run_id)
         self._log_params(run.info.run_id, existing={})
         log_resolved_params(self._client, run.info.run_id, self.params)
         return run.info.run_id
+
+    def _end_killed_runs(self, experiment_id: str, replaced_by: str) -> None:
+        """Runs of this stage in this pipeline run still RUNNING when a new one starts were killed (SIGKILL, a lost
+        node: nothing was left to end them) and will not be resumed (a resumed training run is reopened, not
+        replaced): end them KILLED, naming the new run, so that the UI shows neither a live nor a finished twin."""
+        query = (
+            f"tags.`{MLFLOW_PARENT_RUN_ID}` = '{self.pipeline_run_id}' and tags.`{STAGE_TAG}` = '{self.stage}' "
+            f"and attributes.status = 'RUNNING'"
+        )
+        for killed in self._client.search_runs([experiment_id], query):
+            if killed.info.run_id != replaced_by:
+                self._client.set_tag(killed.info.run_id, REPLACED_BY_TAG, replaced_by)
+                self._client.set_terminated(killed.info.run_id, "KILLED")
 
     def _reopen(self, run_id: str, uri: str) -> str | None:
         try:

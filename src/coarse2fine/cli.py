@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import os
 import signal
@@ -12,6 +13,7 @@ from typing import Callable
 
 from coarse2fine.config import Params, load_params
 from coarse2fine.errors import UserError
+from coarse2fine.files import sole_writer
 
 USER_ERROR_EXIT = 2
 # Set by coarse2fine.launch: the directory where a worker leaves its user-error message for the launcher.
@@ -48,11 +50,20 @@ def run(
     args = parser.parse_args()
     die_with_the_launcher()
     try:
-        params = load_params(args.params, check_model_names=check_model_names)
-        _recorded(main)(params, args)
+        with _sole_writer_of_the_outputs(args):
+            params = load_params(args.params, check_model_names=check_model_names)
+            _recorded(main)(params, args)
     except UserError as error:
         report_user_error(error)
         sys.exit(USER_ERROR_EXIT)
+
+
+def _sole_writer_of_the_outputs(args: argparse.Namespace) -> contextlib.AbstractContextManager:
+    """Rank 0 of a stage with an `--out` holds its lock (`files.sole_writer`) while the stage runs: a second run
+    of the stage on the same outputs stops before touching anything (its other ranks stop with it)."""
+    if getattr(args, "out", None) is None or os.environ.get("RANK", "0") != "0":
+        return contextlib.nullcontext()
+    return sole_writer(args.out, Path(sys.argv[0]).stem)
 
 
 def _recorded(main: Callable[[Params, argparse.Namespace], None]) -> Callable[[Params, argparse.Namespace], None]:

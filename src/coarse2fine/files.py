@@ -1,12 +1,15 @@
-"""Atomic file writes (every output is written under a temporary name and renamed into place), file digests."""
+"""Atomic file writes (every output is written under a temporary name and renamed into place), file digests, and the
+lock that keeps two processes from writing one stage's outputs at once."""
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import hashlib
 import json
 import os
+import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -42,12 +45,25 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     except OSError as error:
         if error.errno not in NO_SPACE_ERRORS:
             raise
-        raise UserError(
-            f"{path}: {os.strerror(error.errno).lower()} while writing it (nothing half-written is kept): free space, "
-            f"or raise the file-size limit, and rerun"
-        ) from None
+        raise out_of_space(path, error, "nothing half-written is kept") from None
     finally:
         temporary.unlink(missing_ok=True)
+
+
+def preallocate(path: str | Path) -> None:
+    """Reserve the disk blocks of `path` at its current size (a sparse file, such as a memory-mapped array just
+    created): a full disk is then an OSError here (NO_SPACE_ERRORS), where writing through the mapping later would
+    kill the process with SIGBUS."""
+    with open(path, "r+b") as file:
+        os.posix_fallocate(file.fileno(), 0, os.fstat(file.fileno()).st_size)
+
+
+def out_of_space(path: str | Path, error: OSError, cleanup: str) -> UserError:
+    """The one-line error for a full disk while writing `path`; `cleanup`: what became of the file."""
+    return UserError(
+        f"{path}: {os.strerror(error.errno).lower()} while writing it ({cleanup}): free space, or raise the file-size "
+        f"limit, and rerun"
+    )
 
 
 def write_json(path: str | Path, value: Any) -> None:
@@ -59,3 +75,33 @@ def write_json(path: str | Path, value: Any) -> None:
 def file_sha256(path: str | Path) -> str:
     with open(path, "rb") as file:
         return hashlib.file_digest(file, "sha256").hexdigest()
+
+
+@contextlib.contextmanager
+def sole_writer(output: str | Path, stage: str) -> Iterator[None]:
+    """Hold an exclusive lock on `output` (a stage's output path) for the block; if another process holds it, a
+    UserError naming that process: two runs of one stage would write the same files and the same checkpoint.
+
+    A `flock` on a file in this machine's temp dir named by the output's absolute path: released by the kernel
+    however the holder ends (a SIGKILL included), so a killed run never blocks its rerun. DVC's own lock already
+    keeps two `dvc repro` apart; this one catches a stage script started by hand beside them.
+    """
+    resolved = str(Path(output).resolve())
+    locks = Path(tempfile.gettempdir()) / "coarse2fine-locks"
+    locks.mkdir(exist_ok=True)
+    lock_path = locks / f"{hashlib.sha256(resolved.encode()).hexdigest()[:32]}.lock"
+    with open(lock_path, "a+", encoding="utf-8") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            holder = lock.read().strip() or "another process"
+            raise UserError(
+                f"{output}: {holder} is writing it already; {stage} did not start (nothing was touched): wait for "
+                f"that run to end, or stop it, and rerun"
+            ) from None
+        lock.seek(0)
+        lock.truncate()
+        lock.write(f"{stage} (pid {os.getpid()})")
+        lock.flush()
+        yield

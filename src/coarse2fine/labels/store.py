@@ -24,26 +24,32 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from coarse2fine import files
 from coarse2fine.errors import UserError
-from coarse2fine.files import atomic_path
 
 HEADER_FILE, LOG_PROBS_FILE, CLASSES_FILE = "header.json", "log_probs.npy", "classes.npy"
 STUDENT_DEPS_DIR = "enabled"  # in a store: what dvc.yaml's students depend on (write_student_deps)
 
-
 def class_dtype(num_classes: int) -> np.dtype:
     return np.dtype(np.int16 if num_classes <= np.iinfo(np.int16).max + 1 else np.int32)
 
-
 def allocate_arrays(directory: str | Path, records: int, top_k: int, grid: int, num_classes: int) -> StoreArrays:
-    """Create the two arrays at full size (zeros; sparse on disk), to be filled by row ranges."""
+    """Create the two arrays at full size (zeros), their disk blocks reserved (`files.preallocate`: a full disk is one
+    line now, not a SIGBUS when a chunk is written through the mapping), to be filled by row ranges."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     shape = (records, top_k, grid, grid)
     for name, dtype in ((LOG_PROBS_FILE, np.float16), (CLASSES_FILE, class_dtype(num_classes))):
-        np.lib.format.open_memmap(directory / name, mode="w+", dtype=dtype, shape=shape).flush()
+        path = directory / name
+        try:  # numpy sizes the file by writing its last byte: a file-size limit fails there, a full disk below
+            np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=shape).flush()
+            files.preallocate(path)
+        except OSError as error:
+            if error.errno not in files.NO_SPACE_ERRORS:
+                raise
+            path.unlink(missing_ok=True)
+            raise files.out_of_space(path, error, "it is removed") from None
     return open_arrays(directory)
-
 
 class StoreArrays(NamedTuple):
     log_probs: np.memmap  # float16 [N, k, s, s]
@@ -57,19 +63,16 @@ class StoreArrays(NamedTuple):
         self.log_probs.flush()
         self.classes.flush()
 
-
 def open_arrays(directory: str | Path, mode: str = "r+") -> StoreArrays:
     directory = Path(directory)
     return StoreArrays(*(np.load(directory / name, mmap_mode=mode) for name in (LOG_PROBS_FILE, CLASSES_FILE)))
-
 
 def write_header(directory: str | Path, arrays: StoreArrays, num_classes: int, **extra: Any) -> None:
     """The header, atomically: what makes the directory a store."""
     records, top_k, grid, _ = arrays.log_probs.shape
     header = {"records": records, "top_k": top_k, "grid": grid, "num_classes": num_classes, **extra}
-    with atomic_path(Path(directory) / HEADER_FILE) as temporary:
+    with files.atomic_path(Path(directory) / HEADER_FILE) as temporary:
         Path(temporary).write_text(json.dumps(header, indent=2) + "\n")
-
 
 def header_digest(directory: str | Path) -> str:
     """Identifies a store by its header, which names what made it (hashing GBs of arrays would cost minutes)."""
@@ -77,7 +80,6 @@ def header_digest(directory: str | Path) -> str:
         return hashlib.sha256((Path(directory) / HEADER_FILE).read_bytes()).hexdigest()
     except OSError as error:
         raise UserError(f"{directory}: not a readable token-label store ({error})") from None
-
 
 def write_student_deps(directory: str | Path, *, store_written: bool) -> None:
     """What dvc.yaml's students depend on, inside the store: `<store>/enabled/${<student>.token_label.enabled}`,
@@ -89,7 +91,6 @@ def write_student_deps(directory: str | Path, *, store_written: bool) -> None:
     (deps / "false").write_bytes(b"")
     if store_written:
         (deps / "true").write_text(header_digest(directory) + "\n", encoding="utf-8")
-
 
 def write_store(
     directory: str | Path, log_probs: np.ndarray, classes: np.ndarray, num_classes: int, **extra: Any
@@ -103,7 +104,6 @@ def write_store(
     arrays.flush()
     write_header(directory, arrays, num_classes, **extra)
 
-
 class TokenLabelStore:
     """Read side: `store.lookup(record_indices)` -> (log-probabilities float16, classes int16), both [B, k, s, s]."""
 
@@ -113,12 +113,15 @@ class TokenLabelStore:
             raise UserError(f"{directory}: no token labels ({HEADER_FILE} missing); run the token_labels stage first")
         try:
             header = json.loads((directory / HEADER_FILE).read_text())
+            self.top_k, self.grid = header["top_k"], header["grid"]
             self.log_probs = np.load(directory / LOG_PROBS_FILE, mmap_mode="r")
             self.classes = np.load(directory / CLASSES_FILE, mmap_mode="r")
-        except (OSError, ValueError) as error:
-            raise UserError(f"{directory}: not a readable token-label store ({error})") from None
+        except (OSError, ValueError, KeyError, TypeError) as error:  # missing, truncated or garbled
+            raise UserError(
+                f"{directory}: not a readable token-label store ({type(error).__name__}: {error}); rerun the "
+                f"token_labels stage (`dvc repro` does, as the store's hash changed)"
+            ) from None
         self.header = header
-        self.top_k, self.grid = header["top_k"], header["grid"]
         expected = (records, self.top_k, self.grid, self.grid)
         if header["records"] != records or self.log_probs.shape != expected or self.classes.shape != expected:
             raise UserError(

@@ -1,0 +1,63 @@
+"""Faults of the environment around a stage: DVC's lock held by another `dvc repro`, and a stage started while
+another process writes its outputs. Each is one clear message, nothing is touched, and the rerun succeeds."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from conftest import PROJECT_ROOT, Project
+from test_kill_anywhere import Repro
+
+HOLD_THE_LOCK = """
+import sys, time
+from coarse2fine.files import sole_writer
+with sole_writer(sys.argv[1], "source"):
+    print("holding", flush=True)
+    time.sleep(600)
+"""
+
+
+def run_source_stage(out, env) -> subprocess.CompletedProcess:
+    command = [sys.executable, "stages/source.py", "--out", str(out), "--teacher-out", str(out.with_name("t.json")),
+               "--labels-out", str(out.with_name("l.json"))]
+    return subprocess.run(command, cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_a_stage_started_while_another_process_writes_its_outputs_stops_untouched(tmp_path):
+    out = tmp_path / "source.json"
+    env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT / "src")}
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_THE_LOCK, str(out)], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        refused = run_source_stage(out, env)
+    finally:
+        holder.send_signal(signal.SIGKILL)  # as a killed run ends: the kernel releases its lock
+        holder.wait(timeout=60)
+    assert refused.returncode == 2
+    assert refused.stderr.strip() == (
+        f"error: {out}: source (pid {holder.pid}) is writing it already; source did not start (nothing was "
+        f"touched): wait for that run to end, or stop it, and rerun"
+    )
+    assert not out.exists()
+    rerun = run_source_stage(out, env)
+    assert rerun.returncode == 0, rerun.stderr
+    assert out.is_file()
+
+
+@pytest.mark.slow
+def test_dvc_repro_beside_a_running_one_is_refused_by_dvc_and_the_rerun_has_nothing_to_do(tmp_path):
+    project = Project(tmp_path / "project")
+    running = Repro(project, "convert")
+    running.wait_for("convert")
+    beside = project.run("dvc", "repro", "convert", check=False)
+    # DVC locks what each stage reads and writes while it runs: the second repro's first stage writes what the
+    # running convert reads.
+    assert beside.returncode != 0 and "is busy, it is being blocked by" in beside.stderr, beside.stderr
+    assert "dvc repro convert" in beside.stderr  # the blocker, by its PID and command
+    running.finish()
+    assert project.repro("convert") == {"source"}  # convert's result stands: only the always-run listing ran

@@ -1,5 +1,6 @@
-"""The benchmarks as users run them: bench/peer.py --tiny end to end (a real DVC project copy running the real
-stages, and timm's train.py when a checkout is given), and how a bench stops when a stage's output changes shape."""
+"""The benchmarks as users run them: bench/peer.py --tiny and bench/optimizers.py --tiny end to end (a real DVC
+project copy running the real stages, and timm's train.py when a checkout is given), and how a bench stops when a
+stage's output changes shape."""
 
 from __future__ import annotations
 
@@ -76,6 +77,31 @@ def test_peer_tiny_compares_with_timm_train_py(peer_report: str) -> None:
     assert all(re.fullmatch(r"\d+\.\d\dx", ratio) for ratio in ratios.values()), ratios
     assert "1.00x" in (ratios[name] for name in TIMM_ROWS)  # the faster timm: the reference
     assert all(line.split(": ")[-1].split(" (")[0] in ("met", "MISSED") for line in goal_lines(peer_report))
+
+
+def first_table(report: str) -> list[list[str]]:
+    """The rows of a report's first markdown table, header and rule left out."""
+    rows: list[list[str]] = []
+    for line in report.splitlines():
+        if line.startswith("| "):
+            rows.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+        elif rows:
+            break
+    return rows[2:]
+
+
+@pytest.mark.slow
+def test_optimizers_tiny_reports_each_optimizer_without_and_with_mixup(tmp_path: Path) -> None:
+    command = [sys.executable, "bench/optimizers.py", "--tiny", "--workdir", str(tmp_path)]
+    result = subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=1200)
+    assert result.returncode == 0, f"{' '.join(command)} failed:\n{result.stderr[-4000:]}"
+    rows = first_table(result.stdout)
+    assert [row[:3] for row in rows] == [
+        [name, mixup, "0.016"] for mixup in ("none", "Mixup 0.2") for name in ("AdamW", "LAMB", "PSGD Kron")
+    ]
+    for _, _, _, epochs_to_95, top1, train_seconds, stage_seconds in rows:
+        assert epochs_to_95 == "not reached" or int(epochs_to_95) == 1  # --tiny trains 1 epoch
+        assert 0 <= float(top1) <= 100 and 0 < float(train_seconds) <= float(stage_seconds)
 
 
 def test_a_metric_a_stage_no_longer_writes_stops_the_bench_naming_file_and_key(

@@ -325,13 +325,21 @@ def parse_model(raw: dict[str, Any], *, strict: bool = True) -> CustomVolo | Tim
 
 
 class Optimizer(Section):
-    name: Literal["adamw", "lamb", "sgd"] = "adamw"
+    # adamw, lamb, sgd: first-order. kron: timm's PSGD Kron (Xi-Lin Li's preconditioned SGD), the second-order choice:
+    # per tensor a Kronecker-factored preconditioner fitted to whiten the (momentum) gradient, about the inverse
+    # square root of the empirical Fisher, as Shampoo's; not K-FAC's inverse Fisher. It is an ordinary
+    # torch.optim.Optimizer (one backward, no closure), so it enters through the same factory and loop. Not
+    # adahessian (timm too): it needs backward(create_graph=True), then torch.autograd.grad through the gradients,
+    # which DDP does not support (its docstring); not ASDL's K-FAC: its GradientMaker takes over the forward and
+    # backward, with hooks on the model's layers (PyPI asdfghjkl 0.1a5, an alpha; its docs name torch 1.13).
+    # README "Optimizers" has the comparison.
+    name: Literal["adamw", "lamb", "sgd", "kron"] = "adamw"
     lr_base: float = Field(1.6e-2, gt=0)  # the peak LR: lr_base x global batch / 1024 (lr_scaling linear)
     # linear: the linear scaling rule (LR = lr_base x global batch / 1024) the reference code lacked; none: lr_base is
     # the LR whatever the batch (the reference fine-tunes at an absolute 8e-6 with any batch).
     lr_scaling: Literal["linear", "none"] = "linear"
     weight_decay: float = Field(0.05, ge=0)
-    momentum: float = Field(0.9, ge=0, lt=1)  # sgd only
+    momentum: float = Field(0.9, ge=0, lt=1)  # sgd; kron: its gradient EMA (timm's Kron default 0.9)
     betas: tuple[float, float] = (0.9, 0.999)  # adamw / lamb
 
     def peak_lr(self, global_batch: int) -> float:
@@ -604,6 +612,10 @@ class Params(Section):
                 raise ValueError(f"{name}.ema.enabled: not with parallel.strategy fsdp (use ddp, or turn the EMA off)")
             if cfg.precision == "fp16":
                 raise ValueError(f"{name}.precision: fp16 is not supported with parallel.strategy fsdp: use bf16")
+            # Kron's preconditioners are plain tensors of the whole parameter's shape: against a DTensor shard
+            # its first step fails (mixed torch.Tensor and DTensor).
+            if cfg.optimizer.name == "kron":
+                raise ValueError(f"{name}.optimizer.name: kron is not supported with parallel.strategy fsdp: use ddp")
         return self
 
     @model_validator(mode="after")

@@ -121,14 +121,28 @@ def build_optimizer(
     model: nn.Module, cfg: config.Optimizer, lr: float, *, fused: bool = False
 ) -> torch.optim.Optimizer:
     """`fused` (`Runtime.fused_optimizer`): one fused kernel per step where the class behind timm's name has one
-    (torch.optim.AdamW and SGD: create_optimizer_v2 passes `fused` through); timm's LAMB has none."""
+    (torch.optim.AdamW and SGD: create_optimizer_v2 passes `fused` through); timm's LAMB and Kron have none."""
     # timm exempts 1-D params (norms, biases) and model.no_weight_decay() (pos_embed, cls_token) from weight
     # decay, so `model` must be the model itself: through a wrapper the names would not match.
-    betas = {} if cfg.name == "sgd" else {"betas": cfg.betas}
+    # Only what the optimizer takes: momentum (sgd, kron) or betas (adamw, lamb); timm drops the others unsaid.
+    settings: dict[str, Any] = {"momentum": cfg.momentum} if cfg.name in ("sgd", "kron") else {"betas": cfg.betas}
+    if cfg.name == "kron":
+        if not torch.backends.opt_einsum.is_available():  # timm's Kron only warns; its einsums then took > 6 GB
+            raise UserError("optimizer.name: kron needs the opt_einsum package (requirements.lock pins it): make setup")
+        # Its preconditioner's random probes from its own generator (seeded alike on every rank, kept in its state
+        # dict), not torch's, which seed_everything seeds per rank: DDP replicas stay identical and resumes exact.
+        settings["deterministic"] = True
     kernel = {"fused": True} if fused and cfg.name in FUSED_OPTIMIZERS else {}
-    return create_optimizer_v2(
-        model, opt=cfg.name, lr=lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum, **betas, **kernel
-    )
+    optimizer = create_optimizer_v2(model, opt=cfg.name, lr=lr, weight_decay=cfg.weight_decay, **settings, **kernel)
+    if cfg.name == "kron" and next(model.parameters()).device.type == "cpu":
+        # timm torch.compiles Kron's preconditioner maths, per parameter shape. On CPU (2 cores) each shape's
+        # compile took 3-9 s, the compiled step was slower than eager (1.5 s vs 0.12 s for a 64x3x7x7 conv) and
+        # one 64x64x3x3 conv's compile passed 6 GB: eager here. On a GPU, timm's compiled functions as shipped.
+        from timm.optim import kron
+
+        for name in ("_calc_A_and_conjB", "_q_terms", "_precond_grad", "_balance_Q"):
+            setattr(optimizer, name, getattr(kron, name))
+    return optimizer
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: config.Train, updates_per_epoch: int) -> Scheduler:

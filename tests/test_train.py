@@ -202,7 +202,7 @@ def test_kron_resumes_from_a_checkpoint_to_the_uninterrupted_result(tmp_path):
     kron_updates(uninterrupted, batch, updates=3)
     interrupted = kron_trainer(tmp_path / "interrupted")
     kron_updates(interrupted, batch, updates=2)
-    interrupted.save_checkpoint(1, [{}], run_id=None)
+    checkpoint_at(interrupted, 1, [{}], None)
     resumed = kron_trainer(tmp_path / "interrupted", model_seed=1)
     assert resumed.load_checkpoint() is not None
     kron_updates(resumed, batch, updates=1)

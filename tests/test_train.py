@@ -355,6 +355,23 @@ def test_a_run_killed_inside_an_epoch_resumes_from_its_checkpoint_there_to_the_u
         torch.testing.assert_close(final[0], final[1], rtol=0, atol=0, msg=name)
 
 
+def test_a_checkpoint_that_does_not_read_back_never_replaces_the_last_good_one(tmp_path, monkeypatch):
+    trainer = make_trainer(tmp_path)
+    checkpoint_at(trainer, 1, [{}], None)
+    good = trainer.checkpoint_path.read_bytes()
+    real_save = torch.save
+
+    def garbling_save(obj, path):  # a storage that cuts the file short
+        real_save(obj, path)
+        Path(path).write_bytes(Path(path).read_bytes()[:-100])
+
+    monkeypatch.setattr(torch, "save", garbling_save)
+    with pytest.raises(UserError, match=r"last.pt: the file just written does not read back .*; the previous one is kept"):
+        checkpoint_at(trainer, 2, [{}, {}], None)
+    assert trainer.checkpoint_path.read_bytes() == good
+    assert [path.name for path in trainer.checkpoint_path.parent.iterdir()] == [train.CHECKPOINT_FILE]  # no leftover
+
+
 def test_checkpoint_from_other_params_is_set_aside_not_resumed(tmp_path, capsys):
     first = make_trainer(tmp_path)
     checkpoint_at(first, 1, [{}], None)

@@ -284,9 +284,20 @@ TRAINING_ONLY_MODEL_KEYS = frozenset({"drop_path", "dropout"})
 
 
 def atomic_save(obj: Any, path: str | Path) -> None:
-    """torch.save to a temporary file beside `path`, then rename: a crash never leaves a half-written file."""
+    """torch.save to a temporary file beside `path`, read it back, then rename: a crash never leaves a half-written
+    file, and a file the storage garbled or cut short never replaces the last good one (a checkpoint: the run it
+    would resume). Read back memory-mapped: the archive and every tensor record are checked, not copied."""
     with atomic_path(path) as temporary:
         torch.save(obj, temporary)
+        try:
+            torch.load(temporary, map_location="cpu", weights_only=True, mmap=True)
+        except (OSError, MemoryError, torch.OutOfMemoryError):
+            raise
+        except Exception as error:  # what a bad file raises (load_file): RuntimeError, UnpicklingError, EOFError...
+            raise UserError(
+                f"{path}: the file just written does not read back ({_first_line(error)}); the previous one is kept: "
+                f"check the file system and rerun"
+            ) from None
 
 
 def existing_file(path: str | Path, what: str) -> Path:

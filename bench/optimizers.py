@@ -130,7 +130,7 @@ def row(name: str, mixup: bool, lr_base: float, run: dict) -> list[str]:
     return [
         OPTIMIZERS[name], "Mixup 0.2" if mixup else "none", f"{lr_base:g}",
         str(reached) if reached is not None else "not reached", f"{run['val_top1'][-1]:.2f}",
-        f"{run['train_seconds']:.0f}", f"{run['seconds']:.0f}",
+        f"{run['train_seconds']:.1f}", f"{run['seconds']:.1f}",  # tenths: a --tiny epoch is under a second
     ]
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -70,11 +71,12 @@ PRETRAIN = {"epochs": 2, "batch_size": 16, "token_label": {"enabled": False}}
 
 def start_stage(
     out: Path, records: Path, launch_settings: dict, changes: dict | None = None, stage: str = "pretrain",
-    arguments: tuple[str, ...] = (), env: dict[str, str] | None = None,
+    arguments: tuple[str, ...] = (), env: dict[str, str] | None = None, file_size_limit: int | None = None,
 ) -> subprocess.Popen:
     """A training stage (pretrain by default) through the launcher, as dvc.yaml runs it, with its own params file
     (`changes` merged in), outputs, extra `arguments` (finetune: --init-from) and `env` variables, in a process
-    group of its own. One thread per rank everywhere, so that every layout computes with the same kernels."""
+    group of its own; `file_size_limit`: RLIMIT_FSIZE in bytes for it and its ranks (a disk that fills up, for real).
+    One thread per rank everywhere, so that every layout computes with the same kernels."""
     out.mkdir(parents=True, exist_ok=True)
     params = out / "params.yaml"
     settings = {"data": {"source": "digits"}, "launch": launch_settings, "pretrain": dict(PRETRAIN)}
@@ -89,8 +91,11 @@ def start_stage(
     ]
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{out / 'mlflow.db'}", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": str(PROJECT_ROOT / "src"), **(env or {})}
+    def limit_file_size() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
+
     return subprocess.Popen(command, cwd=PROJECT_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+                            text=True, start_new_session=True, preexec_fn=limit_file_size if file_size_limit else None)
 
 
 def finish(process: subprocess.Popen) -> str:

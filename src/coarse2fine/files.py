@@ -42,12 +42,23 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
             os.fsync(directory)
         finally:
             os.close(directory)
-    except OSError as error:
-        if error.errno not in NO_SPACE_ERRORS:
+    except Exception as error:
+        full = no_space_behind(error)
+        if full is None:
             raise
-        raise out_of_space(path, error, "nothing half-written is kept") from None
+        raise out_of_space(path, full, "nothing half-written is kept") from None
     finally:
         temporary.unlink(missing_ok=True)
+
+
+def no_space_behind(error: BaseException) -> OSError | None:
+    """The out-of-space OSError (NO_SPACE_ERRORS) `error` is, or was raised while handling: torch.save writing to a
+    file object turns the OSError of a failed write into a RuntimeError ("unexpected pos") raised from within it."""
+    while error is not None:
+        if isinstance(error, OSError):
+            return error if error.errno in NO_SPACE_ERRORS else None
+        error = error.__cause__ or error.__context__
+    return None
 
 
 def preallocate(path: str | Path) -> None:
@@ -58,11 +69,12 @@ def preallocate(path: str | Path) -> None:
         os.posix_fallocate(file.fileno(), 0, os.fstat(file.fileno()).st_size)
 
 
-def out_of_space(path: str | Path, error: OSError, cleanup: str) -> UserError:
-    """The one-line error for a full disk while writing `path`; `cleanup`: what became of the file."""
+def out_of_space(path: str | Path, error: OSError | str, cleanup: str) -> UserError:
+    """The one-line error for a full disk while writing `path` (`error`: the OSError, or what was seen instead);
+    `cleanup`: what became of the file."""
+    what = os.strerror(error.errno).lower() if isinstance(error, OSError) else error
     return UserError(
-        f"{path}: {os.strerror(error.errno).lower()} while writing it ({cleanup}): free space, or raise the file-size "
-        f"limit, and rerun"
+        f"{path}: {what} while writing it ({cleanup}): free space, or raise the file-size limit, and rerun"
     )
 
 

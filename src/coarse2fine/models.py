@@ -288,7 +288,8 @@ def atomic_save(obj: Any, path: str | Path) -> None:
     file, and a file the storage garbled or cut short never replaces the last good one (a checkpoint: the run it
     would resume). Read back memory-mapped: the archive and every tensor record are checked, not copied."""
     with atomic_path(path) as temporary:
-        torch.save(obj, temporary)
+        with open(temporary, "wb") as file:  # a file object: a failed write's OSError stays behind torch's error
+            torch.save(obj, file)
         try:
             torch.load(temporary, map_location="cpu", weights_only=True, mmap=True)
         except (OSError, MemoryError, torch.OutOfMemoryError):

@@ -30,7 +30,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from coarse2fine import distributed
 from coarse2fine.distributed import Runtime
+from coarse2fine.files import no_space_behind, out_of_space
 
+# torch.save's zip writer when a file took fewer bytes than it wrote (a full disk, a quota, a file-size limit).
+SHORT_WRITE = "unexpected pos"
 SHARDS_PREFIX = "shards-"  # beside the checkpoint file: DCP's files under FSDP, a directory per checkpoint
 
 
@@ -151,7 +154,10 @@ class FullyShard:
             for stale in [*named[:-1], *checkpoint_dir.glob(f"{SHARDS_PREFIX}*.partial")]:
                 shutil.rmtree(stale, ignore_errors=True)
         distributed.barrier()
-        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=partial)
+        try:
+            dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=partial)
+        except dcp.api.CheckpointException as error:  # every rank gets every rank's failures
+            raise _out_of_space(error, partial) from None
         distributed.barrier()
         if self.runtime.is_main:
             shutil.rmtree(checkpoint_dir / name, ignore_errors=True)
@@ -167,6 +173,19 @@ class FullyShard:
         state = {"model": model_state, "optimizer": optimizer_state}
         dcp.load(state, checkpoint_id=checkpoint_dir / checkpoint["sharded"])  # reshards to this world size
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def _out_of_space(error: BaseException, partial: Path) -> BaseException:
+    """DCP's failure as the one-line UserError of a full disk when a rank's write ran out of space (the temporary
+    shards removed; the last checkpoint, file and shards, stays whole), else as it is. DCP hands each rank's
+    failure over pickled, without the OSError torch.save's RuntimeError was raised from: a short write is the sign."""
+    failures = [failure for failure, _ in error.failures.values()]
+    full = [failure for failure in map(no_space_behind, failures) if failure is not None]
+    if not full and not any(SHORT_WRITE in str(failure) for failure in failures):
+        return error
+    shutil.rmtree(partial, ignore_errors=True)
+    cleanup = "the temporary shards are removed, the last checkpoint kept"
+    return out_of_space(partial, full[0] if full else "a shard written short (a full disk or quota)", cleanup)
 
 
 def blocks(model: nn.Module) -> Iterator[nn.Module]:

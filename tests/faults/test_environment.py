@@ -4,6 +4,7 @@ another process writes its outputs. Each is one clear message, nothing is touche
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import pytest
 
 from conftest import PROJECT_ROOT, Project
 from test_kill_anywhere import Repro
+from test_scale_out import finish, start_stage
 
 HOLD_THE_LOCK = """
 import sys, time
@@ -61,3 +63,31 @@ def test_dvc_repro_beside_a_running_one_is_refused_by_dvc_and_the_rerun_has_noth
     assert "dvc repro convert" in beside.stderr  # the blocker, by its PID and command
     running.finish()
     assert project.repro("convert") == {"source"}  # convert's result stands: only the always-run listing ran
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("strategy", "written", "kept"),
+    [("ddp", r"last\.pt: file too large", "nothing half-written is kept"),
+     ("fsdp", r"shards-\d+\.partial: a shard written short \(a full disk or quota\)",
+      "the temporary shards are removed, the last checkpoint kept")],
+)
+def test_a_disk_that_fills_up_while_a_checkpoint_is_written_is_one_line_and_the_rerun_succeeds(
+    digits_records, tmp_path, strategy, written, kept
+):
+    """Two ranks write epoch 1's checkpoint (DDP: one file of about 13 MB; FSDP: DCP shards of about 6 MB a rank)
+    under a 2 MB file-size limit, as a full disk refuses them: one line naming what was being written, nothing
+    half-written left, and the rerun with room trains to the end."""
+    changes = {"parallel": {"strategy": strategy}, "pretrain": {"epochs": 1}}
+    full = start_stage(tmp_path, digits_records, {"nproc_per_node": 2}, changes, file_size_limit=2 * 1024 * 1024)
+    stderr = full.communicate(timeout=600)[1]
+    assert full.returncode == 2 and "Traceback" not in stderr, stderr
+    (line,) = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert re.fullmatch(
+        rf"error: {re.escape(str(tmp_path / 'ckpt'))}/{written} while writing it \({kept}\): free "
+        r"space, or raise the file-size limit, and rerun",
+        line,
+    ), line
+    assert sorted(path.name for path in (tmp_path / "ckpt").iterdir()) == []
+    finish(start_stage(tmp_path, digits_records, {"nproc_per_node": 2}, changes))
+    assert (tmp_path / "model" / "model.pt").is_file()

@@ -1,7 +1,7 @@
-"""Bad inputs of the later stages: a token-label store cut short or garbled is one line naming it and what to do
-(a stage turns it into exit 2: tests/test_launch.py); so is a disk too small for a new store. The other bad inputs have their tests beside their code:
-records shards (test_convert.py), model and weights files (test_models.py, test_finetune.py), imported label files
-(test_import_labels.py), params (test_params.py, test_launch.py: token_labels.top_k above the class count)."""
+"""Bad inputs of the later stages, at the level of the code that reads them: a token-label store cut short or
+garbled is one line naming it and what to do, and so is a disk too small for a new store. Through the stages' real
+commands, with the other bad inputs (teacher weights, another architecture's model file, an empty params.yaml,
+token_labels.top_k above the class count): test_user_mistakes.py."""
 
 from __future__ import annotations
 

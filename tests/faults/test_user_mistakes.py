@@ -1,5 +1,8 @@
-"""User mistakes, run exactly as dvc.yaml runs each stage (its rendered command, under the launcher and torchrun,
-two ranks where it matters): one line naming the key, file or value, exit code 2, no torchrun report."""
+"""User mistakes and bad inputs, run exactly as dvc.yaml runs each stage (its rendered command, under the launcher
+and torchrun, two ranks where it matters): one line naming the key, file or value, exit code 2, no torchrun
+report. Among them the bad inputs of the later stages: a teacher weights file cut short or not a weights file, a
+model file of another architecture given to finetune, a token-label store cut short, an empty params.yaml,
+token_labels.top_k above the class count."""
 
 from __future__ import annotations
 
@@ -7,11 +10,13 @@ import subprocess
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import pytest
 import torch
 
 from coarse2fine import models
 from coarse2fine.config import CustomVolo, TimmModel
+from coarse2fine.labels.store import CLASSES_FILE, write_store
 from conftest import Project
 
 pytestmark = pytest.mark.slow
@@ -55,6 +60,33 @@ def teacher_file(project: Project, classes: list[str], num_classes: int | None =
     path = project.path / "models/teacher/model.pt"
     models.save_model_file(path, model, model_cfg=model_cfg, img_size=32, classes=classes, stage="teacher")
     return path
+
+
+def teacher_weights_file(tmp: Path, content: bytes | None) -> dict:
+    """Import mode with a resnet10t state dict for the 10 digits, cut to its first half (`content` None: a copy that
+    died half-way) or replaced by `content` (the wrong file, e.g. a download's error page)."""
+    path = tmp / "resnet10t.pt"
+    torch.save(models.build_model(TimmModel(name="resnet10t"), num_classes=10, img_size=32).state_dict(), path)
+    path.write_bytes(path.read_bytes()[: len(path.read_bytes()) // 2] if content is None else content)
+    return {"teacher": {"mode": "import", "weights": str(path), "model": {"name": "resnet10t"}}}
+
+
+def wider_pretrained_model(project: Project) -> dict:
+    """models/pretrain/model.pt of a VOLO wider than params' model: finetune must refuse to start from it."""
+    wider = CustomVolo(embed_dims=(64, 128, 128, 256), num_heads=(2, 4, 4, 8))
+    path = project.path / "models/pretrain/model.pt"
+    models.save_model_file(path, models.build_model(wider, 10, 32), model_cfg=wider, img_size=32, classes=DIGITS,
+                           stage="pretrain")
+    return {"finetune": GROUND_TRUTH}
+
+
+def truncated_token_labels(project: Project) -> dict:
+    """A token-label store for the digits' 434 training records with its classes array cut short."""
+    store = project.path / "data/token_labels"
+    write_store(store, np.zeros((434, 2, 2, 2)), np.zeros((434, 2, 2, 2)), num_classes=10)
+    classes = store / CLASSES_FILE
+    classes.write_bytes(classes.read_bytes()[:1000])
+    return {"pretrain": {"token_label": {"enabled": True}}}
 
 
 def imagenet_weights(project: Project, tmp: Path) -> dict:
@@ -121,6 +153,21 @@ MISTAKES: dict[str, tuple[str, Callable[[Project, Path], dict], list[str]]] = {
         "teacher", lambda project, tmp: {"launch": {"nproc_per_node": 2, "device": "cuda"}},
         ["launch.device: cuda", "finds no usable GPU", "set launch.device: cpu"],
     ),
+    "teacher weights cut short": (
+        "teacher", lambda project, tmp: teacher_weights_file(tmp, None), ["resnet10t.pt", "not a readable"],
+    ),
+    "teacher weights that are not a weights file": (
+        "teacher", lambda project, tmp: teacher_weights_file(tmp, b"<html>404 Not Found</html>"),
+        ["resnet10t.pt", "not a readable"],
+    ),
+    "a model file of another architecture to fine-tune from": (
+        "finetune", lambda project, tmp: wider_pretrained_model(project),
+        ["models/pretrain/model.pt", "another architecture than model.*", "embed_dims"],
+    ),
+    "a token-label store cut short": (
+        "pretrain", lambda project, tmp: truncated_token_labels(project),
+        ["data/token_labels", "not a readable token-label store", "rerun the token_labels stage"],
+    ),
     "more top-k classes than classes": (
         "token_labels", lambda project, tmp: teacher_file(project, DIGITS) and {"token_labels": {"top_k": 11}},
         ["token_labels.top_k", "11 is more than the 10 classes"],
@@ -165,3 +212,17 @@ def test_a_stage_says_in_one_line_at_start_what_it_runs_on(digits_records, tmp_p
     assert result.returncode == 0, result.stderr[-3000:]
     startup = [line for line in result.stdout.splitlines() if line.startswith("evaluate@pretrain: device ")]
     assert startup == ["evaluate@pretrain: device cpu x2, backend gloo, precision fp32, loader dali (cpu graph)"]
+
+
+def test_an_empty_params_file_is_one_line_and_exit_2(tmp_path):
+    """Every key commented out would otherwise run on the schema's defaults: the digits, not what the file meant."""
+    project = Project(tmp_path / "project")
+    (project.path / "params.yaml").write_text("# every key commented out\n")
+    result = subprocess.run(
+        project.stage_command("convert"), shell=True, cwd=project.path, env=project.env, capture_output=True,
+        text=True, timeout=300,
+    )
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("error: params.yaml: empty (no params): restore it"), line
+

@@ -3,7 +3,8 @@
 With pretrain.token_label.enabled the objective is token labeling on the store in data/token_labels (MixToken
 with pretrain.token_label.mix_token); otherwise label-smoothed cross-entropy on the ground truth (Mixup/CutMix
 with pretrain.mixup). Runs as `python stages/pretrain.py` or `torchrun --standalone --nproc_per_node=N
-stages/pretrain.py` (DDP); rerun after a crash or kill, it continues from the last finished epoch.
+stages/pretrain.py` (DDP); rerun after a crash or kill, it continues from the last checkpoint (at an epoch's end,
+or inside one: params `checkpoint`).
 """
 
 import argparse

@@ -93,21 +93,41 @@ def test_a_disk_that_fills_up_while_a_checkpoint_is_written_is_one_line_and_the_
     assert (tmp_path / "model" / "model.pt").is_file()
 
 
+HOLD_AN_SQLITE_LOCK = """
+import sqlite3, sys, time
+connection = sqlite3.connect(sys.argv[1], isolation_level=None)
+connection.execute("BEGIN EXCLUSIVE")
+print("locked", flush=True)
+time.sleep(600)
+"""
+
+
 @pytest.mark.slow
-def test_a_corrupt_mlflow_store_is_one_warning_and_the_stage_writes_its_outputs(tmp_path):
-    """An sqlite store overwritten with garbage (a bad copy, a disk error): the convert stage, launched as dvc.yaml
-    does, warns once and converts; its metrics are in its DVCLive files."""
+@pytest.mark.parametrize("fault", ["corrupt", "locked"])
+def test_an_mlflow_store_corrupt_or_locked_is_one_warning_and_the_stage_writes_its_outputs(tmp_path, fault):
+    """An sqlite store overwritten with garbage (a bad copy, a disk error), or held locked by another process past
+    sqlite's wait: the convert stage, launched as dvc.yaml does, warns once and converts; its metrics are in its
+    DVCLive files. A stage of days must not die for its tracking (README, Tracking)."""
     store = tmp_path / "mlflow.db"
-    store.write_bytes(b"this is not an sqlite database" * 100)
+    holder = None
+    if fault == "corrupt":
+        store.write_bytes(b"this is not an sqlite database" * 100)
+    else:
+        holder = subprocess.Popen([sys.executable, "-c", HOLD_AN_SQLITE_LOCK, str(store)], stdout=subprocess.PIPE, text=True)
+        assert holder.stdout.readline().strip() == "locked"
     params = tmp_path / "params.yaml"
     params.write_text("data: {source: digits, subset: 0.1}\n")
     env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT / "src"), "MLFLOW_TRACKING_URI": f"sqlite:///{store}"}
     command = [sys.executable, "-m", "coarse2fine.launch", "stages/convert.py", "--params", str(params),
                "--out", str(tmp_path / "records"), "--metrics", str(tmp_path / "metrics")]
-    result = subprocess.run(command, cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    try:
+        result = subprocess.run(command, cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    finally:
+        if holder is not None:
+            holder.kill()
+            holder.wait(timeout=60)
     assert result.returncode == 0, result.stderr[-3000:]
     warnings = [line for line in result.stderr.splitlines() if line.startswith("warning: MLflow")]
     assert len(warnings) == 1 and f"sqlite:///{store} is not usable" in warnings[0], result.stderr[-3000:]
     assert "convert goes on without it" in warnings[0] and "Traceback" not in result.stderr
     assert (tmp_path / "records" / "manifest.json").is_file() and (tmp_path / "metrics" / "metrics.json").is_file()
-

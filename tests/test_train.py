@@ -361,9 +361,9 @@ def test_a_checkpoint_that_does_not_read_back_never_replaces_the_last_good_one(t
     good = trainer.checkpoint_path.read_bytes()
     real_save = torch.save
 
-    def garbling_save(obj, path):  # a storage that cuts the file short
-        real_save(obj, path)
-        Path(path).write_bytes(Path(path).read_bytes()[:-100])
+    def garbling_save(obj, file):  # a storage that cuts the file short
+        real_save(obj, file)
+        file.truncate(file.tell() - 100)
 
     monkeypatch.setattr(torch, "save", garbling_save)
     with pytest.raises(UserError, match=r"last.pt: the file just written does not read back .*; the previous one is kept"):

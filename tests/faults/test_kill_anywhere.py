@@ -86,19 +86,25 @@ class Repro:
         return "".join(self.lines)[-5000:]
 
 
-def repro_mending_dvc_lock(project: Project) -> Repro:
-    """A new `dvc repro`, after the README's remedy if the last kill left dvc.lock invalid: DVC rewrites it in place
-    after each stage, so a kill in that instant can cut it short (`'./dvc.lock' validation failed`). Deleted, it is
-    rebuilt from DVC's run cache, which restores every stage that had finished without running it again."""
+# DVC's own files, rewritten in place: a kill in that instant can cut one short. The README's remedy: delete it.
+# dvc.lock is then rebuilt from DVC's run cache, which restores every stage that had finished without running it;
+# the rwlock file only records the locks of running DVC processes.
+DVC_FILES_CUT_SHORT = {"'./dvc.lock' validation failed": "dvc.lock", "Unable to read RWLock-file": ".dvc/tmp/rwlock"}
+
+
+def repro_mending_dvc_files(project: Project) -> Repro:
+    """A new `dvc repro`, after the README's remedy if the last kill left one of DVC's files cut short."""
     repro = Repro(project)
-    while not repro.started and repro.process.poll() is None:  # DVC reads dvc.lock before its first stage
+    while not repro.started and repro.process.poll() is None:  # DVC reads its files before its first stage
         time.sleep(0.01)
     if repro.process.poll():
         repro._reader.join(timeout=60)
-        assert "dvc.lock" in repro.output, repro.output
-        print("dvc.lock was left invalid by the kill: deleted")
-        (project.path / "dvc.lock").unlink()
-        repro = Repro(project)
+        damaged = [path for sign, path in DVC_FILES_CUT_SHORT.items() if sign in repro.output]
+        assert len(damaged) == 1, repro.output
+        damaged = damaged[0]
+        print(f"{damaged} was left cut short by the kill: deleted")
+        (project.path / damaged).unlink()
+        return repro_mending_dvc_files(project)
     return repro
 
 
@@ -158,7 +164,7 @@ def test_each_stage_killed_anywhere_the_pipeline_ends_as_if_uninterrupted(tmp_pa
     landed = []
     for stage, span in spans.items():
         delay = draw.uniform(0.05, 0.9) * span
-        repro = repro_mending_dvc_lock(walked)
+        repro = repro_mending_dvc_files(walked)
         repro.wait_for(stage)
         time.sleep(delay)
         if repro.process.poll() is not None:  # the rest of the pipeline was faster here: nothing left to kill
@@ -167,7 +173,7 @@ def test_each_stage_killed_anywhere_the_pipeline_ends_as_if_uninterrupted(tmp_pa
         repro.kill()
         print(f"seed {SEED}: dvc repro killed {delay:.2f} s into {stage} (uninterrupted: {span:.2f} s), in {running}")
         landed.append(running == stage)
-    repro_mending_dvc_lock(walked).finish()
+    repro_mending_dvc_files(walked).finish()
     # Timings vary: a kill may fall in the next stage. Most must fall where they were aimed, or the test tests little.
     assert sum(landed) >= 2 / 3 * len(spans), landed
 

@@ -30,8 +30,10 @@ from coarse2fine.errors import UserError
 HEADER_FILE, LOG_PROBS_FILE, CLASSES_FILE = "header.json", "log_probs.npy", "classes.npy"
 STUDENT_DEPS_DIR = "enabled"  # in a store: what dvc.yaml's students depend on (write_student_deps)
 
+
 def class_dtype(num_classes: int) -> np.dtype:
     return np.dtype(np.int16 if num_classes <= np.iinfo(np.int16).max + 1 else np.int32)
+
 
 def allocate_arrays(directory: str | Path, records: int, top_k: int, grid: int, num_classes: int) -> StoreArrays:
     """Create the two arrays at full size (zeros), their disk blocks reserved (`files.preallocate`: a full disk is one
@@ -45,11 +47,13 @@ def allocate_arrays(directory: str | Path, records: int, top_k: int, grid: int, 
             np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=shape).flush()
             files.preallocate(path)
         except OSError as error:
-            if error.errno not in files.NO_SPACE_ERRORS:
+            full = files.no_space_behind(error)
+            if full is None:
                 raise
             path.unlink(missing_ok=True)
-            raise files.out_of_space(path, error, "it is removed") from None
+            raise files.out_of_space(path, full, "it is removed") from None
     return open_arrays(directory)
+
 
 class StoreArrays(NamedTuple):
     log_probs: np.memmap  # float16 [N, k, s, s]
@@ -63,9 +67,11 @@ class StoreArrays(NamedTuple):
         self.log_probs.flush()
         self.classes.flush()
 
+
 def open_arrays(directory: str | Path, mode: str = "r+") -> StoreArrays:
     directory = Path(directory)
     return StoreArrays(*(np.load(directory / name, mmap_mode=mode) for name in (LOG_PROBS_FILE, CLASSES_FILE)))
+
 
 def write_header(directory: str | Path, arrays: StoreArrays, num_classes: int, **extra: Any) -> None:
     """The header, atomically: what makes the directory a store."""
@@ -74,12 +80,14 @@ def write_header(directory: str | Path, arrays: StoreArrays, num_classes: int, *
     with files.atomic_path(Path(directory) / HEADER_FILE) as temporary:
         Path(temporary).write_text(json.dumps(header, indent=2) + "\n")
 
+
 def header_digest(directory: str | Path) -> str:
     """Identifies a store by its header, which names what made it (hashing GBs of arrays would cost minutes)."""
     try:
         return hashlib.sha256((Path(directory) / HEADER_FILE).read_bytes()).hexdigest()
     except OSError as error:
         raise UserError(f"{directory}: not a readable token-label store ({error})") from None
+
 
 def write_student_deps(directory: str | Path, *, store_written: bool) -> None:
     """What dvc.yaml's students depend on, inside the store: `<store>/enabled/${<student>.token_label.enabled}`,
@@ -92,6 +100,7 @@ def write_student_deps(directory: str | Path, *, store_written: bool) -> None:
     if store_written:
         (deps / "true").write_text(header_digest(directory) + "\n", encoding="utf-8")
 
+
 def write_store(
     directory: str | Path, log_probs: np.ndarray, classes: np.ndarray, num_classes: int, **extra: Any
 ) -> None:
@@ -103,6 +112,7 @@ def write_store(
     arrays.write(np.arange(records), log_probs, classes)
     arrays.flush()
     write_header(directory, arrays, num_classes, **extra)
+
 
 class TokenLabelStore:
     """Read side: `store.lookup(record_indices)` -> (log-probabilities float16, classes int16), both [B, k, s, s]."""

@@ -64,6 +64,39 @@ def test_the_dry_run_prints_the_command_given_options_override_params(tmp_path):
     assert printed.rstrip().endswith(f"--max_restarts=2 stages/pretrain.py --params {params}")
 
 
+WHERE_AM_I = """import json, os, sys
+print(json.dumps({"pid": os.getpid(), "argv": sys.argv, "path0": sys.path[0], "name": __name__,
+                  "rank": os.environ.get("RANK"), "elastic": "TORCHELASTIC_RUN_ID" in os.environ}))
+sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize("restarts", [0, 1])
+def test_a_world_of_one_runs_in_the_launchers_own_process_unless_torchrun_may_restart_it(tmp_path, restarts):
+    """One node, one process: the stage is the launcher's main program, as `python script` would run it (no agent,
+    no second import of torch); with restarts to make, torchrun's agent runs it as a worker. Either way its exit
+    code is the launcher's."""
+    script = tmp_path / "where.py"
+    script.write_text(WHERE_AM_I)
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({"launch": {"max_restarts": restarts}}))
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "coarse2fine.launch", str(script), "--params", str(params), "x y"],
+        cwd=PROJECT_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    stdout, stderr = launcher.communicate(timeout=120)
+    seen = json.loads(stdout.splitlines()[-1])
+    assert (seen["argv"], seen["path0"], seen["name"]) == ([str(script), "--params", str(params), "x y"],
+                                                          str(tmp_path), "__main__")
+    if restarts == 0:
+        assert (seen["pid"], seen["rank"], seen["elastic"]) == (launcher.pid, None, False)
+        assert launcher.returncode == 3
+    else:
+        assert (seen["pid"] != launcher.pid, seen["rank"], seen["elastic"]) == (True, "0", True)
+        assert launcher.returncode == 1  # torchrun's failure after its restart, reported with the worker's exit code
+        assert "exitcode  : 3" in stderr
+
+
 # ------------------------------------------------------------------------------------------ real runs (slow)
 
 PRETRAIN = {"epochs": 2, "batch_size": 16, "token_label": {"enabled": False}}

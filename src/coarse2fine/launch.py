@@ -16,7 +16,11 @@ It is torchrun (the same argument parser and elastic launch, in this process), p
 - a user mistake found inside a worker (a `UserError`: a missing data root, a batch larger than a rank's
   share, `launch.device: cuda` where torch finds too few GPUs, ...) ends the stage with that one line and exit
   code 2, instead of torchrun's ChildFailedError report. Workers hand their message over in a file
-  (`cli.report_user_error`); any other failure keeps torchrun's full report and exits 1.
+  (`cli.report_user_error`); any other failure keeps torchrun's full report and exits 1;
+- a world of one (one node, one process, no restarts: the default on a laptop or one GPU) runs the stage in this
+  process, as `torchrun --standalone --nproc_per_node=1` would run it in a worker: an agent that will never
+  restart its only worker adds nothing but a second process and a second import of torch (about 2 s of every
+  stage's start-up, issue 21). The stage sees what a lone torchrun worker sees, a world of one.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import runpy
 import shlex
 import subprocess
 import sys
@@ -66,7 +71,11 @@ def main(argv: list[str] | None = None) -> None:
         return
     if srun:  # each agent prints its own user errors; srun exits with the highest task's code
         sys.exit(subprocess.run(srun, env={**os.environ, SLURM_AGENT_ENV: "1"}).returncode)
-    _launch_here(torchrun.parse_args(argv))
+    args = torchrun.parse_args(argv)
+    if is_world_of_one(args):
+        _run_here(args)
+    else:
+        _launch_here(args)
 
 
 def torchrun_options(launch: Launch, job: slurm.Allocation | None = None) -> list[str]:
@@ -82,6 +91,25 @@ def torchrun_options(launch: Launch, job: slurm.Allocation | None = None) -> lis
     else:
         rdzv_id = launch.rdzv_id
     return [*options, "--rdzv_backend=c10d", f"--rdzv_endpoint={host}:{port}", f"--rdzv_id={rdzv_id}"]
+
+
+def is_world_of_one(args: argparse.Namespace) -> bool:
+    """torchrun's arguments start a single worker on this machine that it would never restart: a python script."""
+    return (
+        args.standalone and args.nproc_per_node == "1" and args.max_restarts == 0
+        and not (args.module or args.no_python)
+    )
+
+
+def _run_here(args: argparse.Namespace) -> None:
+    """The stage script as this process's main program, as `python -u script args` runs it: its own directory
+    first on sys.path, its arguments in sys.argv, output unbuffered (dvc repro shows progress as it comes). A user
+    mistake is its one line and exit 2 (cli.run prints it: no launcher waits for a message file)."""
+    sys.argv = [args.training_script, *args.training_script_args]
+    sys.path[0] = str(Path(args.training_script).resolve().parent)
+    for stream in (sys.stdout, sys.stderr):
+        stream.reconfigure(write_through=True)
+    runpy.run_path(args.training_script, run_name="__main__")
 
 
 def _launch_here(args: argparse.Namespace) -> None:

@@ -129,24 +129,23 @@ def write_confusion_matrix_png(path: str | Path, result: EvalResult, classes: Se
     """Counts (rows: true class, columns: predicted), class names on the axes while they stay legible."""
     num_classes = len(classes)
     side = min(max(6.0, 0.45 * num_classes + 2.0), 16.0)  # inches: grows with the class count, then caps
-    # Imported here: matplotlib + sklearn cost about 2 s, which every training process would pay otherwise.
+    # Imported here: matplotlib costs 0.4 s, which every training process would pay otherwise. Drawn with
+    # matplotlib alone: scikit-learn's ConfusionMatrixDisplay draws the same and cost each evaluation 1 s to import.
     from matplotlib.figure import Figure
-    from sklearn.metrics import ConfusionMatrixDisplay
 
     # A bare Figure, not pyplot: no global figure registry to leak into, and it renders with Agg, no display.
     figure = Figure(figsize=(side, side), dpi=100, layout="constrained")
     axes = figure.add_subplot()
-    ConfusionMatrixDisplay(result.confusion, display_labels=list(classes)).plot(
-        ax=axes,
-        include_values=num_classes <= MAX_CLASSES_WITH_VALUES,
-        cmap="Blues",
-        xticks_rotation="vertical",
-        values_format="d",
-        colorbar=True,
-    )
-    if num_classes > MAX_CLASSES_WITH_LABELS:
-        axes.set_xticks([])
-        axes.set_yticks([])
-    axes.set_title(f"top-1 {result.top1:.2f} %, n = {result.n}")
+    image = axes.imshow(result.confusion, interpolation="nearest", cmap="Blues")
+    figure.colorbar(image, ax=axes)
+    if num_classes <= MAX_CLASSES_WITH_VALUES:
+        middle = result.confusion.max() / 2  # dark cells get white counts
+        for (true, predicted), count in np.ndenumerate(result.confusion):
+            colour = "white" if count > middle else "black"
+            axes.text(predicted, true, f"{count:d}", ha="center", va="center", color=colour)
+    ticks = range(num_classes) if num_classes <= MAX_CLASSES_WITH_LABELS else []
+    axes.set_xticks(ticks, [classes[i] for i in ticks], rotation="vertical")
+    axes.set_yticks(ticks, [classes[i] for i in ticks])
+    axes.set(xlabel="Predicted label", ylabel="True label", title=f"top-1 {result.top1:.2f} %, n = {result.n}")
     with atomic_path(path) as temporary:
         figure.savefig(temporary, format="png")

@@ -132,6 +132,29 @@ def test_the_listing_stage_validates_params_without_importing_timm():
         parse_params(with_change("teacher.model.name", "resnet10tt"))
 
 
+
+def test_model_names_are_checked_from_the_users_cache_once_timm_listed_them(tmp_path):
+    """convert checks every model name but builds no model: after one listing (which imports timm), a stage finds
+    this timm installation's names in the cache and still catches a misspelt one, without importing timm."""
+    program = (
+        "import sys; from coarse2fine.config import ParamsError, load_params; "
+        "load_params('params.yaml'); print('timm' in sys.modules); "
+        "raw = __import__('yaml').safe_load(open('params.yaml')); raw['teacher']['model']['name'] = 'resnet10tt'; "
+        "from coarse2fine.config import parse_params\n"
+        "try: parse_params(raw)\n"
+        "except ParamsError as error: print(error)"
+    )
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    first, second = (
+        subprocess.run([sys.executable, "-c", program], cwd=ROOT, env=env, capture_output=True, text=True,
+                       check=True, timeout=60).stdout.splitlines()
+        for _ in range(2)
+    )
+    assert first[0] == "True" and second[0] == "False"  # listed by timm, then read from the cache
+    assert second[1] == first[1] and "teacher.model.name: 'resnet10tt' is neither" in second[1]
+    (cache,) = (tmp_path / "coarse2fine").iterdir()
+    assert "volo_d1_224" in cache.read_text().split()
+
 def test_unknown_keys_are_errors_not_ignored():
     raw = shipped()
     raw["pretrain"]["optimiser"] = {"lr_base": 1.0}  # British spelling: a typo that must not be dropped

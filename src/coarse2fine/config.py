@@ -7,8 +7,13 @@ any heavy work. Modules receive the typed objects below and never read params.ya
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
+import hashlib
+import importlib.metadata
+import importlib.util
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +26,7 @@ from pydantic import (
 )
 
 from coarse2fine.errors import UserError
+from coarse2fine.files import atomic_path
 
 CUSTOM_MODEL = "volo_custom"
 # Validation context key: False skips the check of model names against timm's registry, which imports timm
@@ -30,10 +36,29 @@ CHECK_MODEL_NAMES = "check_model_names"
 
 @functools.cache
 def timm_model_names() -> frozenset[str]:
-    """Every architecture timm can build (imported on first use: the listing stage has no need of timm)."""
+    """Every architecture timm can build. Listing them imports timm (2 s); this installation's list is kept in the
+    user's cache, so a stage that builds no model (convert) checks the names without importing timm."""
+    cache = _model_names_cache()
+    with contextlib.suppress(OSError):
+        return frozenset(cache.read_text(encoding="utf-8").split())
     import timm
 
-    return frozenset(timm.list_models())
+    names = frozenset(timm.list_models())
+    with contextlib.suppress(OSError):  # a read-only home only costs the next stage the import
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_path(cache) as temporary:
+            temporary.write_text("\n".join(sorted(names)), encoding="utf-8")
+    return names
+
+
+def _model_names_cache() -> Path:
+    """A file per timm installation: its version, where it is and when a model module of it was last written (an
+    editable checkout keeps its version while its models change)."""
+    package = Path(importlib.util.find_spec("timm").origin).parent  # found, not imported
+    written = max(path.stat().st_mtime_ns for path in package.glob("models/*.py"))
+    key = f"{importlib.metadata.version('timm')} {package} {written}"
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "coarse2fine" / f"timm-models-{hashlib.sha256(key.encode()).hexdigest()[:16]}.txt"
 
 
 def has_token_outputs(name: str) -> bool:

@@ -269,16 +269,17 @@ class Repro:
 class ProjectCopy:
     """The project's pipeline (dvc.yaml, params.yaml, stages/, src/, .dvc/) in a fresh git repository at `path`,
     as a user's clone would be (like tests/test_pipeline.py's fixture), with `params` changes applied and committed.
-    Tools run from the interpreter's environment; MLflow logs into the copy."""
+    Tools run from the interpreter's environment; MLflow logs into the copy. `source`: the tree it is copied from
+    (default: this checkout; another commit's, for a before/after comparison)."""
 
-    def __init__(self, path: Path, params: dict):
+    def __init__(self, path: Path, params: dict, source: Path = PROJECT_ROOT):
         self.path = path
         path.mkdir(parents=True)
         for name in ("dvc.yaml", "params.yaml", ".gitignore", ".dvcignore"):
-            shutil.copy(PROJECT_ROOT / name, path / name)
+            shutil.copy(source / name, path / name)
         for name in ("stages", "src"):
-            shutil.copytree(PROJECT_ROOT / name, path / name, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
-        shutil.copytree(PROJECT_ROOT / ".dvc", path / ".dvc", ignore=shutil.ignore_patterns("tmp", "cache"))
+            shutil.copytree(source / name, path / name, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+        shutil.copytree(source / ".dvc", path / ".dvc", ignore=shutil.ignore_patterns("tmp", "cache"))
         self.env = self._tool_env(path)
         self.edit_params(params)
         self.run("git", "init", "-q")

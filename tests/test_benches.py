@@ -118,3 +118,16 @@ def test_a_metric_a_stage_no_longer_writes_stops_the_bench_naming_file_and_key(
     history.write_text("step\timg_per_s\n0\t300\n")
     with pytest.raises(SystemExit, match=rf"{history}: no 'train_img_per_s' \(found: step, img_per_s\)"):
         read_column(history, "train_img_per_s", delimiter="\t")
+
+
+@pytest.mark.slow
+def test_startup_tiny_times_every_launched_stage(tmp_path: Path) -> None:
+    command = [sys.executable, "bench/startup.py", "--tiny", "--workdir", str(tmp_path)]
+    result = subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=1200)
+    assert result.returncode == 0, f"{' '.join(command)} failed:\n{result.stderr[-4000:]}"
+    rows = first_table(result.stdout)
+    assert [row[0] for row in rows] == [
+        "convert", "teacher", "token_labels", "pretrain", "finetune", "evaluate@pretrain", "evaluate@finetune",
+    ]
+    assert all(float(seconds) > 0 for _, seconds in rows)
+    assert all(line.split(": ")[-1].split(" (")[0] in ("met", "MISSED") for line in goal_lines(result.stdout))

@@ -31,8 +31,12 @@ $(PLOTS_TEMPLATE): docs/package-lock.json docs/plots_template.mjs
 repro: setup
 	$(BIN)/dvc repro
 
+# The tests in TEST_WORKERS processes (pytest-xdist; one intra-op thread each, tests/conftest.py), stealing work
+# from each other's queues; then the timing-sensitive ones (marked serial) alone. Fails if either part failed.
+TEST_WORKERS ?= 2
 test: setup slurm
-	$(BIN)/python -m pytest
+	status=0; $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist worksteal -m "not serial" || status=$$?; \
+	  $(BIN)/python -m pytest -m serial || status=$$?; exit $$status
 
 # tests/test_slurm.py runs the pipeline on a real Slurm started on this machine: Debian's slurm-wlm and munge,
 # installed here when missing and we are root (elsewhere, or if apt fails, that test says why it is skipped).

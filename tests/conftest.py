@@ -26,6 +26,15 @@ from coarse2fine.labels.store import TokenLabelStore
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under `pytest -n N` (`make test` runs two workers on two cores), one intra-op thread in each worker and in
+    every process it starts: two workers with a thread per core each would oversubscribe the cores, and OpenMP's
+    spinning threads then slow each step manyfold. The tiny models here gain little from a second thread."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
+
+
 def make_params(**sections: Any) -> Params:
     """Params from the schema defaults plus nested overrides, validated like params.yaml.
 

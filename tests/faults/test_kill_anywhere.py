@@ -23,7 +23,8 @@ import yaml
 from conftest import Project, merge
 from test_pipeline import FAST, TOKEN_LABELS
 
-pytestmark = pytest.mark.slow
+# Its kill points are fractions of the stages' spans in a run beside it: alone, both see the same machine.
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 SEED = int(os.environ.get("C2F_TEST_KILL_SEED", "0"))
 # FAST, shorter (learning is not the subject), pre-training on token labels, with checkpoints inside epochs (every 3

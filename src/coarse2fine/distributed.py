@@ -190,18 +190,19 @@ def barrier() -> None:
         dist.barrier()
 
 
-def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
-    """Sum over ranks, in place and returned; a no-op in a world of one."""
+def all_reduce_sum(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """Sum over the ranks of `group` (None: all), in place and returned; a no-op in a world of one."""
     if dist.is_initialized():
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
     return tensor
 
 
-def broadcast_tensors(tensors: list[torch.Tensor], src: int = 0) -> None:
-    """Overwrite every rank's `tensors` (in place) with rank `src`'s; a no-op in a world of one."""
+def broadcast_tensors(tensors: list[torch.Tensor], src: int = 0, group: Any = None) -> None:
+    """Overwrite the `tensors` (in place) of every rank of `group` (None: all) with global rank `src`'s; a no-op
+    in a world of one."""
     if dist.is_initialized():
         for tensor in tensors:
-            dist.broadcast(tensor.data, src=src)
+            dist.broadcast(tensor.data, src=src, group=group)
 
 
 def all_gather_objects(obj: Any) -> list[Any]:

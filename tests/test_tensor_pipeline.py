@@ -1,0 +1,216 @@
+"""params `parallel.data/tensor/pipeline`: the mesh's dimensions and their checks, tensor parallelism of ViT and
+VOLO blocks, pipeline stages under GPipe and 1F1B, and DCP checkpoints written under them that a plain model
+reads. Real torchrun ranks on gloo.
+
+Run as a script (`torchrun --nproc_per_node=2 tests/test_tensor_pipeline.py OUT`), this file is the per-rank
+program: for each layout (TP=2, PP=2 with each schedule) and model (a small ViT, the tiny VOLO) it trains
+STEPS SGD steps through the strategy's own forward_backward beside a plain copy of the model trained on the same
+micro-batches in the same process, and writes the largest loss and gradient differences; then a DCP checkpoint
+of the last step and the gathered weights, for the plain-model test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from coarse2fine import distributed, models, parallel, pipeline
+from coarse2fine.config import CustomVolo, Parallel, TimmModel
+from coarse2fine.errors import UserError
+from coarse2fine.mesh import ParallelDims
+from conftest import PROJECT_ROOT, make_params
+
+BATCH, MICROBATCHES, STEPS, IMG = 8, 4, 3, 32
+VIT = TimmModel(name="vit_tiny_patch16_224")  # made small below: embed 32, depth 4, 4 heads, 8 px patches
+VOLO = CustomVolo(layers=(1, 1, 1, 1), embed_dims=(32, 64, 64, 64), num_heads=(2, 4, 4, 4))
+LAYOUTS = {  # name: (params parallel, 2 ranks)
+    "tp": Parallel(tensor=2),
+    "pp-gpipe": Parallel(pipeline=2, schedule="gpipe", microbatches=MICROBATCHES),
+    "pp-1f1b": Parallel(pipeline=2, schedule="1f1b", microbatches=MICROBATCHES),
+}
+
+
+def build(family: str) -> nn.Module:
+    torch.manual_seed(0)
+    if family == "volo":
+        return models.build_model(VOLO, num_classes=10, img_size=IMG)
+    import timm
+
+    return timm.create_model(VIT.name, img_size=IMG, patch_size=8, embed_dim=32, depth=4, num_heads=4, num_classes=10)
+
+
+# ----------------------------------------------------------------------------------------- params and split
+
+def test_the_data_dimension_takes_the_ranks_left_and_a_bad_product_is_one_line():
+    assert ParallelDims.of(Parallel(), 8) == ParallelDims(data=8, tensor=1, pipeline=1)
+    assert ParallelDims.of(Parallel(tensor=2, pipeline=2), 8) == ParallelDims(data=2, tensor=2, pipeline=2)
+    with pytest.raises(ValueError, match=r"^parallel: data 3 x tensor 2 x pipeline 1 does not make the world of 8"):
+        ParallelDims.of(Parallel(data=3, tensor=2), 8)
+    with pytest.raises(ValueError, match="data auto x tensor 3 x pipeline 1 does not make the world of 8"):
+        ParallelDims.of(Parallel(tensor=3), 8)
+    # (pipeline, data, tensor), tensor innermost
+    dims = ParallelDims(data=2, tensor=2, pipeline=2)
+    assert [tuple(dims.coordinates(rank).values()) for rank in range(8)] == [
+        (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1), (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1)]
+    assert all(dims.rank_at(*dims.coordinates(rank).values()) == rank for rank in range(8))
+
+
+def test_params_check_the_layout_against_the_launch_world():
+    make_params(launch={"nproc_per_node": 4}, parallel={"tensor": 2, "pipeline": 2})  # data: auto, 1
+    with pytest.raises(Exception, match=r"parallel: data 2 x tensor 2 x pipeline 1 does not make the world of 2 "):
+        make_params(launch={"nproc_per_node": 2}, parallel={"data": 2, "tensor": 2})
+    with pytest.raises(Exception, match="parallel.strategy: ddp replicates whole models only; with tensor 2 x "
+                                        "pipeline 1 on 2 data ranks use fsdp"):
+        make_params(launch={"nproc_per_node": 4}, parallel={"tensor": 2})
+    make_params(launch={"nproc_per_node": 4}, parallel={"tensor": 2, "strategy": "fsdp"})
+    with pytest.raises(Exception, match="parallel.microbatches: 1 is fewer than the pipeline's 2 stages"):
+        make_params(launch={"nproc_per_node": 2}, parallel={"pipeline": 2, "microbatches": 1})
+    with pytest.raises(Exception, match="pretrain.batch_size: 30 does not split into parallel.microbatches 4"):
+        make_params(launch={"nproc_per_node": 2}, parallel={"pipeline": 2}, pretrain={"batch_size": 30})
+    with pytest.raises(Exception, match="pretrain.token_label.mix_token: not with parallel.pipeline 2"):
+        make_params(launch={"nproc_per_node": 2}, parallel={"pipeline": 2},
+                    pretrain={"batch_size": 32, "token_label": {"enabled": True, "mix_token": True}})
+    with pytest.raises(Exception, match=r"pretrain.ema.enabled: not with parallel.tensor 2 x pipeline 1 \(use ddp"):
+        make_params(launch={"nproc_per_node": 2}, parallel={"tensor": 2}, pretrain={"ema": {"enabled": True}})
+
+
+def test_a_pipeline_deals_the_blocks_out_and_every_weight_has_one_stage():
+    for family, expected in (("vit", {"cls_token": 0, "blocks.1": 0, "blocks.2": 1, "head": 1}),
+                             # 7 blocks: outlooker, downsample, 3 transformers, 2 class blocks; 4 + 3
+                             ("volo", {"patch_embed": 0, "pos_embed": 0, "network.3.0": 0, "network.4.0": 1,
+                                       "cls_token": 1, "post_network.1": 1, "aux_head": 1})):
+        model = build(family)
+        parts = pipeline.assign(model, 2)
+        assert expected.items() <= parts.items()
+        keys = {stage: [key for key in model.state_dict() if pipeline.owner(key, parts) == stage] for stage in (0, 1)}
+        for stage in (0, 1):
+            kept = build(family)
+            pipeline.keep_stage(kept, stage, parts)
+            assert list(kept.state_dict()) == keys[stage]  # the whole model's names, restricted to its stage
+    with pytest.raises(UserError, match="parallel.pipeline: 5 stages, but VisionTransformer has 4 blocks"):
+        pipeline.assign(build("vit"), 5)
+    resnet = models.build_model(TimmModel(name="resnet10t"), num_classes=10, img_size=32)
+    with pytest.raises(UserError, match="parallel.pipeline: 2 splits timm's ViT and VOLO; not ResNet"):
+        pipeline.assign(resnet, 2)
+
+
+# ------------------------------------------------------------------------------------------- real ranks
+
+@pytest.fixture(scope="module")
+def ranks_out(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tensor_pipeline")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__, str(out)]
+    result = subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-5000:]
+    return out
+
+
+@pytest.mark.parametrize("family", ["vit", "volo"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_layout_trains_as_one_process_does(ranks_out, layout, family):
+    """Each step's loss and every gradient within 1e-5 of a plain model's on the same micro-batches."""
+    result = json.loads((ranks_out / f"{layout}-{family}.json").read_text())
+    assert result["steps"] == STEPS and result["gradients"] > 0
+    assert result["loss"] < 1e-5 and result["grad"] < 1e-5, result
+
+
+@pytest.mark.parametrize("layout", ["tp", "pp-1f1b"])
+def test_a_dcp_checkpoint_written_under_a_layout_loads_into_a_plain_model(ranks_out, layout):
+    import torch.distributed.checkpoint as dcp
+
+    for family in ("vit", "volo"):
+        plain = build(family)
+        state = {"model": plain.state_dict()}
+        dcp.load(state, checkpoint_id=ranks_out / f"{layout}-{family}-dcp" / "shards-3", no_dist=True)
+        plain.load_state_dict(state["model"])
+        expected = torch.load(ranks_out / f"{layout}-{family}-whole.pt", weights_only=True)
+        torch.testing.assert_close(plain.state_dict(), expected, rtol=0, atol=0)
+        assert any((value - build(family).state_dict()[key]).abs().max() > 1e-4 for key, value in expected.items())
+
+
+# ------------------------------------------------------------------------------------------- the rank program
+
+def _loss(output: models.TrainOutput, labels: torch.Tensor) -> torch.Tensor:
+    loss = nn.functional.cross_entropy(output.cls_logits, labels)
+    if output.aux_logits is not None:  # VOLO's token logits, as token labeling trains them
+        loss = loss + 0.5 * nn.functional.cross_entropy(output.aux_logits.mean(dim=1), labels)
+    return loss
+
+
+def _run(runtime, layout: str, family: str, out: Path) -> None:
+    dims = ParallelDims.of(LAYOUTS[layout], runtime.world_size)
+    model = build(family)
+    reference = copy.deepcopy(model)
+    strategy = (parallel.Pipelined(runtime, None, dims, LAYOUTS[layout]) if dims.pipeline > 1
+                else parallel.FullyShard(runtime, None, dims, shard_data=False))
+    strategy.shard(model)
+    train_forward = strategy.wrap(models.TrainForward(model))
+    train_forward.train()
+    reference.train()
+    # SGD, at a small LR: VOLO's stem BatchNorm, on 8 images, turns 1e-7 float noise between the two models'
+    # weights into 3e-5 gradient differences by the third step at lr 0.1.
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.02, momentum=0.9)
+    worst: dict = {"loss": 0.0, "grad": 0.0, "steps": 0, "gradients": 0}
+    for step in range(STEPS):
+        generator = torch.Generator().manual_seed(step)
+        images = torch.randn(BATCH, 3, IMG, IMG, generator=generator)
+        labels = torch.randint(0, 10, (BATCH,), generator=generator)
+        loss = strategy.forward_backward(
+            train_forward, images, lambda output, rows: _loss(output, labels if rows is None else labels[rows]),
+            contextlib.nullcontext, lambda loss: loss,
+        )
+        # The reference on the pipeline's micro-batches (BatchNorm's batch statistics are a micro-batch's).
+        chunks = MICROBATCHES if dims.pipeline > 1 else 1
+        reference_loss = 0.0
+        for rows in torch.arange(BATCH).tensor_split(chunks):
+            micro = _loss(models.TrainForward(reference)(images[rows]), labels[rows]) / chunks
+            micro.backward()
+            reference_loss += micro.item()
+        worst["loss"] = max(worst["loss"], abs(loss.item() - reference_loss))
+        reference_grads = {name: parameter.grad for name, parameter in reference.named_parameters()}
+        for name, parameter in model.named_parameters():
+            grad = parameter.grad.full_tensor() if hasattr(parameter.grad, "full_tensor") else parameter.grad
+            difference = (grad - reference_grads[name]).abs().max().item()
+            if difference > worst["grad"]:
+                worst |= {"grad": difference, "where": f"step {step}: {name}, of magnitude "
+                                                       f"{reference_grads[name].abs().max().item():.3g}"}
+            worst["gradients"] += 1
+        optimizer.step()
+        optimizer.zero_grad()
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+        worst["steps"] += 1
+    gathered = distributed.all_gather_objects(worst)
+    name = f"{layout}-{family}"
+    if layout in ("tp", "pp-1f1b"):
+        strategy.save_state(model, optimizer, out / f"{name}-dcp", tag=STEPS)
+    whole = strategy.whole(model).state_dict()
+    if runtime.is_main:
+        merged = {key: max(result[key] for result in gathered) for key in ("loss", "grad", "steps")}
+        merged["where"] = max(gathered, key=lambda result: result["grad"]).get("where")
+        merged["gradients"] = sum(result["gradients"] for result in gathered)
+        (out / f"{name}.json").write_text(json.dumps(merged))
+        torch.save({key: value.clone() for key, value in whole.items()}, out / f"{name}-whole.pt")
+
+
+def _rank_main(out: str) -> None:
+    with distributed.session("cpu") as runtime:
+        for layout in LAYOUTS:
+            for family in ("vit", "volo"):
+                (Path(out) / f"{layout}-{family}-dcp").mkdir(parents=True, exist_ok=True)
+                _run(runtime, layout, family, Path(out))
+
+
+if __name__ == "__main__":
+    _rank_main(*sys.argv[1:])

@@ -28,7 +28,7 @@ def main(params: Params, args: argparse.Namespace) -> None:
     classes = records.read_classes(args.records)
     with distributed.session(params.launch.device) as runtime:
         # The ranks of one tensor or pipeline group train on the same batches, seeded alike (coarse2fine.mesh).
-        data_runtime = ParallelDims.of_run(params.parallel, runtime.world_size).data_view(runtime)
+        data_runtime = runtime.data_view(ParallelDims.of_run(params.parallel, runtime.world_size))
         loaders = {
             split: build_loader(
                 split, args.records, img_size=cfg.img_size, batch_size=cfg.batch_size, runtime=data_runtime if split == "train" else runtime,

@@ -23,20 +23,25 @@ import pytest
 import torch
 from torch import nn
 
-from coarse2fine import distributed, models, parallel, pipeline
+from coarse2fine import distributed, models, parallel, pipeline, train
 from coarse2fine.config import CustomVolo, Parallel, TimmModel
 from coarse2fine.errors import UserError
 from coarse2fine.mesh import ParallelDims
-from conftest import PROJECT_ROOT, make_params
+from conftest import PROJECT_ROOT, ListLoader, cpu_runtime, make_params
 
 BATCH, MICROBATCHES, STEPS, IMG = 8, 4, 3, 32
 VIT = TimmModel(name="vit_tiny_patch16_224")  # made small below: embed 32, depth 4, 4 heads, 8 px patches
 VOLO = CustomVolo(layers=(1, 1, 1, 1), embed_dims=(32, 64, 64, 64), num_heads=(2, 4, 4, 4))
-LAYOUTS = {  # name: (params parallel, 2 ranks)
+LAYOUTS = {  # name: params parallel, on 2 ranks
     "tp": Parallel(tensor=2),
     "pp-gpipe": Parallel(pipeline=2, schedule="gpipe", microbatches=MICROBATCHES),
     "pp-1f1b": Parallel(pipeline=2, schedule="1f1b", microbatches=MICROBATCHES),
 }
+COMPOSED = {  # on 4 ranks: 2 data ranks, each with half the batch
+    "tp-fsdp": Parallel(tensor=2, strategy="fsdp"),
+    "pp-fsdp": Parallel(pipeline=2, strategy="fsdp", microbatches=MICROBATCHES // 2),
+}
+SAVED = ("tp", "pp-1f1b", "tp-fsdp", "pp-fsdp")  # the layouts whose DCP checkpoint a plain model reads
 
 
 def build(family: str) -> nn.Module:
@@ -105,40 +110,95 @@ def test_a_pipeline_deals_the_blocks_out_and_every_weight_has_one_stage():
 
 # ------------------------------------------------------------------------------------------- real ranks
 
+def torchrun(nproc: int, out: Path) -> None:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", __file__,
+               str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MLFLOW_TRACKING_URI": f"sqlite:///{out / 'mlflow.db'}"}
+    result = subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stderr[-5000:]
+
+
 @pytest.fixture(scope="module")
 def ranks_out(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tensor_pipeline")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__, str(out)]
-    result = subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert result.returncode == 0, result.stderr[-5000:]
+    torchrun(2, out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def composed_out(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("composed")
+    torchrun(4, out)
     return out
 
 
 @pytest.mark.parametrize("family", ["vit", "volo"])
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_a_layout_trains_as_one_process_does(ranks_out, layout, family):
+@pytest.mark.parametrize("layout", [*LAYOUTS, *COMPOSED])
+def test_a_layout_trains_as_one_process_does(request, layout, family):
     """Each step's loss and every gradient within 1e-5 of a plain model's on the same micro-batches."""
-    result = json.loads((ranks_out / f"{layout}-{family}.json").read_text())
+    out = request.getfixturevalue("composed_out" if layout in COMPOSED else "ranks_out")
+    result = json.loads((out / f"{layout}-{family}.json").read_text())
     assert result["steps"] == STEPS and result["gradients"] > 0
     assert result["loss"] < 1e-5 and result["grad"] < 1e-5, result
 
 
-@pytest.mark.parametrize("layout", ["tp", "pp-1f1b"])
-def test_a_dcp_checkpoint_written_under_a_layout_loads_into_a_plain_model(ranks_out, layout):
+@pytest.mark.parametrize("layout", SAVED)
+def test_a_dcp_checkpoint_written_under_a_layout_loads_into_a_plain_model(request, layout):
     import torch.distributed.checkpoint as dcp
 
+    out = request.getfixturevalue("composed_out" if layout in COMPOSED else "ranks_out")
     for family in ("vit", "volo"):
         plain = build(family)
         state = {"model": plain.state_dict()}
-        dcp.load(state, checkpoint_id=ranks_out / f"{layout}-{family}-dcp" / "shards-3", no_dist=True)
+        dcp.load(state, checkpoint_id=out / f"{layout}-{family}-dcp" / "shards-3", no_dist=True)
         plain.load_state_dict(state["model"])
-        expected = torch.load(ranks_out / f"{layout}-{family}-whole.pt", weights_only=True)
+        expected = torch.load(out / f"{layout}-{family}-whole.pt", weights_only=True)
         torch.testing.assert_close(plain.state_dict(), expected, rtol=0, atol=0)
         assert any((value - build(family).state_dict()[key]).abs().max() > 1e-4 for key, value in expected.items())
 
 
+def test_the_trainer_trains_under_tp_and_a_pipeline_as_in_one_process(ranks_out, tmp_path, monkeypatch):
+    """The one Trainer, through fit(): accumulation, clipping, the epoch's DCP checkpoint, validation and the model
+    file; the ranks of a tensor or pipeline group read the same batches, so the world of one with the same
+    batches is the reference. The model files are plain and agree to 1e-5."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    _fit(cpu_runtime(), "one", Parallel(), tmp_path)
+    reference = models.load_model_file(tmp_path / "one" / "model.pt")[0].state_dict()
+    for layout in TRAINED:
+        model, _ = models.load_model_file(ranks_out / layout / "model.pt")
+        torch.testing.assert_close(model.state_dict(), reference, rtol=0, atol=1e-5)
+        metrics = json.loads((ranks_out / layout / "metrics" / "metrics.json").read_text())
+        expected = json.loads((tmp_path / "one" / "metrics" / "metrics.json").read_text())
+        assert metrics["train_loss"] == pytest.approx(expected["train_loss"], abs=1e-5)
+        assert metrics["val_top1"] == expected["val_top1"]
+        assert not (ranks_out / layout / "ckpt").exists()  # finished: the checkpoint and its shards are gone
+
+
 # ------------------------------------------------------------------------------------------- the rank program
+
+TRAINED = ("tp", "pp-1f1b")  # the layouts the Trainer runs (2 ranks)
+# Two updates of two micro-batches, clipped (the whole model's norm, over the stages), SGD with momentum.
+TRAIN = {"epochs": 1, "batch_size": 8, "accum_steps": 2, "clip_grad": 0.5, "token_label": {"enabled": False},
+         "optimizer": {"name": "sgd", "momentum": 0.9, "lr_base": 0.5}, "schedule": {"warmup_epochs": 0}}
+
+
+def _fit(runtime, layout: str, cfg: Parallel, out: Path) -> None:
+    # timm's test ViT (embed 64, 6 blocks, 2 heads): VOLO's ground-truth loss goes through a max over tokens,
+    # whose choice float noise can flip (the component tests above cover VOLO)
+    params = make_params(launch={"nproc_per_node": runtime.world_size}, parallel=cfg.model_dump(), pretrain=TRAIN,
+                         model={"name": "test_vit"})
+    train.seed_everything(params.seed, runtime.data_view(ParallelDims.of(cfg, runtime.world_size)))
+    model = models.build_model(params.model, 10, IMG)
+    generator = torch.Generator().manual_seed(0)
+    batches = [{"image": torch.randn(8, 3, IMG, IMG, generator=generator),
+                "label": torch.randint(0, 10, (8,), generator=generator)} for _ in range(4)]
+    train.Trainer(
+        stage="pretrain", params=params, cfg=params.pretrain, model=model, classes=[str(i) for i in range(10)],
+        train_loader=ListLoader(batches), val_loader=ListLoader(batches), runtime=runtime,
+        param_sections=("pretrain",), provenance={"data_digest": "random"}, checkpoint_dir=out / layout / "ckpt",
+        model_file=out / layout / "model.pt", metrics_dir=out / layout / "metrics",
+    ).fit()
+
 
 def _loss(output: models.TrainOutput, labels: torch.Tensor) -> torch.Tensor:
     loss = nn.functional.cross_entropy(output.cls_logits, labels)
@@ -147,12 +207,11 @@ def _loss(output: models.TrainOutput, labels: torch.Tensor) -> torch.Tensor:
     return loss
 
 
-def _run(runtime, layout: str, family: str, out: Path) -> None:
-    dims = ParallelDims.of(LAYOUTS[layout], runtime.world_size)
+def _run(runtime, layout: str, cfg: Parallel, family: str, out: Path) -> None:
+    dims = ParallelDims.of(cfg, runtime.world_size)
     model = build(family)
     reference = copy.deepcopy(model)
-    strategy = (parallel.Pipelined(runtime, None, dims, LAYOUTS[layout]) if dims.pipeline > 1
-                else parallel.FullyShard(runtime, None, dims, shard_data=False))
+    strategy = parallel.build(cfg, runtime, None)
     strategy.shard(model)
     train_forward = strategy.wrap(models.TrainForward(model))
     train_forward.train()
@@ -166,17 +225,23 @@ def _run(runtime, layout: str, family: str, out: Path) -> None:
         generator = torch.Generator().manual_seed(step)
         images = torch.randn(BATCH, 3, IMG, IMG, generator=generator)
         labels = torch.randint(0, 10, (BATCH,), generator=generator)
+        share = BATCH // dims.data  # this data rank's rows of the batch
+        mine = torch.arange(BATCH).tensor_split(dims.data)[dims.coordinates(runtime.rank)["data"]]
         loss = strategy.forward_backward(
-            train_forward, images, lambda output, rows: _loss(output, labels if rows is None else labels[rows]),
+            train_forward, images[mine],
+            lambda output, rows: _loss(output, labels[mine] if rows is None else labels[mine][rows]),
             contextlib.nullcontext, lambda loss: loss,
         )
-        # The reference on the pipeline's micro-batches (BatchNorm's batch statistics are a micro-batch's).
-        chunks = MICROBATCHES if dims.pipeline > 1 else 1
+        # The reference on every data rank's pipeline micro-batches (BatchNorm's batch statistics are a
+        # micro-batch's), its gradient their mean as the data ranks' reduction makes it.
+        chunks = cfg.microbatches if dims.pipeline > 1 else 1
         reference_loss = 0.0
-        for rows in torch.arange(BATCH).tensor_split(chunks):
-            micro = _loss(models.TrainForward(reference)(images[rows]), labels[rows]) / chunks
-            micro.backward()
-            reference_loss += micro.item()
+        for part in torch.arange(BATCH).tensor_split(dims.data):
+            for rows in part.tensor_split(chunks):
+                micro = _loss(models.TrainForward(reference)(images[rows]), labels[rows]) / chunks
+                (micro / dims.data).backward()
+                reference_loss += micro.item() if torch.equal(part, mine) else 0.0
+        assert len(mine) == share
         worst["loss"] = max(worst["loss"], abs(loss.item() - reference_loss))
         reference_grads = {name: parameter.grad for name, parameter in reference.named_parameters()}
         for name, parameter in model.named_parameters():
@@ -193,7 +258,8 @@ def _run(runtime, layout: str, family: str, out: Path) -> None:
         worst["steps"] += 1
     gathered = distributed.all_gather_objects(worst)
     name = f"{layout}-{family}"
-    if layout in ("tp", "pp-1f1b"):
+    strategy.average_batchnorm(model)  # as the Trainer does at an epoch's end: the data ranks' VOLO stems agree
+    if layout in SAVED:
         strategy.save_state(model, optimizer, out / f"{name}-dcp", tag=STEPS)
     whole = strategy.whole(model).state_dict()
     if runtime.is_main:
@@ -206,10 +272,12 @@ def _run(runtime, layout: str, family: str, out: Path) -> None:
 
 def _rank_main(out: str) -> None:
     with distributed.session("cpu") as runtime:
-        for layout in LAYOUTS:
+        for layout, cfg in (COMPOSED if runtime.world_size == 4 else LAYOUTS).items():
             for family in ("vit", "volo"):
                 (Path(out) / f"{layout}-{family}-dcp").mkdir(parents=True, exist_ok=True)
-                _run(runtime, layout, family, Path(out))
+                _run(runtime, layout, cfg, family, Path(out))
+        for layout in TRAINED if runtime.world_size == 2 else ():
+            _fit(runtime, layout, LAYOUTS[layout], Path(out))
 
 
 if __name__ == "__main__":

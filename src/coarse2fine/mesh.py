@@ -11,7 +11,6 @@ No torch import at module level: config.py validates the dimensions with it.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -22,7 +21,6 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from coarse2fine.config import Parallel
-    from coarse2fine.distributed import Runtime
 
 DIMENSIONS = ("pipeline", "data", "tensor")  # the mesh's order, outermost first
 
@@ -71,12 +69,6 @@ class ParallelDims:
 
     def rank_at(self, pipeline: int, data: int, tensor: int) -> int:
         return (pipeline * self.data + data) * self.tensor + tensor
-
-    def data_view(self, runtime: Runtime) -> Runtime:
-        """`runtime` as the training data sees it: its rank and world on the data dimension. The ranks of one
-        tensor or pipeline group read the same batches (they compute one model replica's step) and seed alike
-        (the drop-path masks of a replicated activation must agree). With data parallelism only, `runtime` itself."""
-        return dataclasses.replace(runtime, rank=self.coordinates(runtime.rank)["data"], world_size=self.data)
 
     def build_mesh(self, device: torch.device) -> DeviceMesh:
         """The world's DeviceMesh, named by DIMENSIONS (a collective: every rank calls it)."""

@@ -192,9 +192,10 @@ class FullyShard:
             return
         data_mesh = self.mesh["data"] if self.mesh is not None else None
         policy = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=torch.float32)
+        placement = tensor_parallel.fsdp_placement if self.dims.tensor > 1 else None
         for block in blocks(model):
-            fully_shard(block, mesh=data_mesh, mp_policy=policy)
-        fully_shard(root, mesh=data_mesh, mp_policy=policy)
+            fully_shard(block, mesh=data_mesh, mp_policy=policy, shard_placement_fn=placement)
+        fully_shard(root, mesh=data_mesh, mp_policy=policy, shard_placement_fn=placement)
         if root is model and hasattr(model, "forward_train"):  # VOLO's training forward (models.TrainForward)
             register_fsdp_forward_method(model, "forward_train")  # gathers as forward does
 
@@ -326,8 +327,9 @@ class Pipelined(FullyShard):
         self.stage = PipelineStage(self.stage_forward, self.stage_index, self.dims.pipeline, self.runtime.device,
                                    group=self.mesh.get_group("pipeline"))
         schedule = ScheduleGPipe if self.schedule_name == "gpipe" else Schedule1F1B
-        # scale_grads: gradients divided by the micro-batch count, so that micro-batch means average to the batch's
-        self.schedule = schedule(self.stage, n_microbatches=self.microbatches, scale_grads=True,
+        # Not scale_grads: it divides the .grad tensors in place after each step, also what the Trainer's earlier
+        # micro-batches of an accumulated update left there; each micro-batch's loss is divided instead.
+        self.schedule = schedule(self.stage, n_microbatches=self.microbatches, scale_grads=False,
                                  loss_fn=lambda output, rows: self.micro_loss(output, rows))
         return super().wrap(self.stage_forward)
 
@@ -352,7 +354,7 @@ class Pipelined(FullyShard):
                 return sum(tensor.sum() for tensor in (output if isinstance(output, tuple) else (output,))) * 0
             loss = loss_of(TrainOutput(*output) if isinstance(output, tuple) else TrainOutput(output), rows)
             losses.append(loss.detach())
-            return scale(loss)
+            return scale(loss) / self.microbatches  # micro-batch means: their mean is the batch's
 
         self.micro_loss = micro_loss
         inputs = (images,) if self.stage.is_first else ()
@@ -382,17 +384,20 @@ class Pipelined(FullyShard):
 
 
 def _writable(state: Any) -> Any:
-    """`state` with every DTensor sharded as `_StridedShard` (TP's fused q/k/v projections and their moments)
-    gathered into a Replicate one: DCP refuses a strided shard ("overlapping chunks"), and a whole tensor is
-    what a plain model, FSDP and another TP size read back. It costs those tensors in full on each rank while
-    saving (ViT-B/16: 21 M parameters, 0.25 GB with AdamW's moments)."""
+    """`state` with every DTensor's `_StridedShard` placements (TP's fused q/k/v projections, FSDP's shards of a
+    TP shard, and their moments) gathered (Replicate) on their mesh dimensions: DCP writes a rank's piece as one
+    contiguous chunk and refuses a strided one ("overlapping chunks"). What it writes is the whole tensor's layout,
+    which a plain model, FSDP and another TP size read back. It costs those tensors gathered over the strided
+    dimensions while saving (ViT-B/16 under TP alone: its 21 M q/k/v weights, 0.25 GB with AdamW's moments)."""
     from torch.distributed.tensor import DTensor, Replicate
     from torch.distributed.tensor.placement_types import _StridedShard
 
     if isinstance(state, dict):
         return {key: _writable(value) for key, value in state.items()}
     if isinstance(state, DTensor) and any(isinstance(placement, _StridedShard) for placement in state.placements):
-        return state.redistribute(placements=[Replicate()] * state.device_mesh.ndim)
+        placements = [Replicate() if isinstance(placement, _StridedShard) else placement
+                      for placement in state.placements]
+        return state.redistribute(placements=placements)
     return state
 
 

@@ -48,7 +48,7 @@ def train_student(
         inputs["init_digest"] = file_sha256(models.existing_file(paths.init_from, "model file"))
     with distributed.session(params.launch.device) as runtime:
         # The ranks of one tensor or pipeline group train on the same batches, seeded alike (coarse2fine.mesh).
-        data_runtime = ParallelDims.of_run(params.parallel, runtime.world_size).data_view(runtime)
+        data_runtime = runtime.data_view(ParallelDims.of_run(params.parallel, runtime.world_size))
         loaders = {
             split: build_loader(
                 split, paths.records, img_size=cfg.img_size, batch_size=cfg.batch_size, runtime=data_runtime if split == "train" else runtime,

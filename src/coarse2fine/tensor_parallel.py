@@ -26,7 +26,7 @@ from typing import Iterator
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
 from timm.models import volo
@@ -36,8 +36,10 @@ from coarse2fine.errors import UserError
 
 
 class FusedColwiseParallel(ColwiseParallel):
-    """ColwiseParallel for a projection that concatenates `parts` equal outputs (q, k, v): each part split over
-    the ranks, so that each rank's output is its share of every part, in order."""
+    """ColwiseParallel for a projection that concatenates `parts` equal outputs (q, k, v): each part of the weight
+    split over the ranks, so that each rank's output is its share of every part, in order. The bias (3 x width
+    numbers) stays replicated, sliced locally by DTensor: FSDP2 shards a 1-D `_StridedShard` wrongly (torch
+    2.14: its gradient's full tensor comes out permuted), and a replicated one it shards plainly."""
 
     def __init__(self, parts: int):
         super().__init__(output_layouts=_StridedShard(-1, split_factor=parts))
@@ -45,9 +47,18 @@ class FusedColwiseParallel(ColwiseParallel):
 
     def _partition_linear_fn(self, name, module, device_mesh):
         for name, param in module.named_parameters():
-            placement = [_StridedShard(0, split_factor=self.parts)]
-            sharded = distribute_tensor(param, device_mesh, placement, src_data_rank=self.src_data_rank)
+            placement = _StridedShard(0, split_factor=self.parts) if name == "weight" else Replicate()
+            sharded = distribute_tensor(param, device_mesh, [placement], src_data_rank=self.src_data_rank)
             module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+
+
+def fsdp_placement(parameter: nn.Parameter) -> Shard | None:
+    """FSDP2's `shard_placement_fn`: a weight split q/k/v apart by TP is sharded on its input dimension. On its
+    output dimension (FSDP2's default, dim 0) torch 2.14 composes the two placements wrongly: the full tensor comes
+    out permuted (0.1 off on a ViT's qkv weight, tests/test_tensor_pipeline.py)."""
+    if isinstance(parameter, DTensor) and any(isinstance(placement, _StridedShard) for placement in parameter.placements):
+        return Shard(1)
+    return None
 
 
 class LocalHeadsAttention(volo.Attention):

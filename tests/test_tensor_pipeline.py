@@ -1,12 +1,13 @@
 """params `parallel.data/tensor/pipeline`: the mesh's dimensions and their checks, tensor parallelism of ViT and
-VOLO blocks, pipeline stages under GPipe and 1F1B, and DCP checkpoints written under them that a plain model
-reads. Real torchrun ranks on gloo.
+VOLO blocks, pipeline stages under GPipe and 1F1B, each alone and under FSDP on a data dimension, DCP checkpoints
+written under them that a plain model reads, and the Trainer under TP and PP. Real torchrun ranks on gloo.
 
-Run as a script (`torchrun --nproc_per_node=2 tests/test_tensor_pipeline.py OUT`), this file is the per-rank
-program: for each layout (TP=2, PP=2 with each schedule) and model (a small ViT, the tiny VOLO) it trains
-STEPS SGD steps through the strategy's own forward_backward beside a plain copy of the model trained on the same
-micro-batches in the same process, and writes the largest loss and gradient differences; then a DCP checkpoint
-of the last step and the gathered weights, for the plain-model test.
+Run as a script (`torchrun --nproc_per_node=2|4 tests/test_tensor_pipeline.py OUT`), this file is the per-rank
+program: for each layout (2 ranks: TP=2, PP=2 with each schedule; 4 ranks: each with FSDP over 2 data ranks) and
+model (a small ViT, the tiny VOLO) it trains STEPS SGD steps through the strategy's own forward_backward beside a
+plain copy of the model trained on the same micro-batches in the same process, and writes the largest loss and
+gradient differences, a DCP checkpoint of the last step and the gathered weights; on 2 ranks, then, the Trainer's
+fit() under TP and PP.
 """
 
 from __future__ import annotations

@@ -55,7 +55,7 @@ LossOf = Callable[[Any, "torch.Tensor | None"], torch.Tensor]
 
 
 class Parallelism(Protocol):
-    dims: ParallelDims
+    dims: ParallelDims  # the layout: the Trainer's global batch counts the data ranks only
 
     def shard(self, model: nn.Module) -> None:
         """Before the optimizer exists: spread `model`'s parameters over the ranks (in place)."""
@@ -306,6 +306,8 @@ class Pipelined(FullyShard):
         self.stage_index = dims.coordinates(runtime.rank)["pipeline"]
         self.parts: dict[str, int] = {}
         self.stage_forward = nn.Module()
+        self.stage: Any = None  # the PipelineStage and its schedule, made by wrap()
+        self.schedule: Any = None
         self.micro_loss: Callable[[Any, torch.Tensor], torch.Tensor] | None = None  # the running step's
 
     def shard(self, model: nn.Module) -> None:

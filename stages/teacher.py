@@ -31,7 +31,8 @@ def main(params: Params, args: argparse.Namespace) -> None:
         data_runtime = runtime.data_view(ParallelDims.of_run(params.parallel, runtime.world_size))
         loaders = {
             split: build_loader(
-                split, args.records, img_size=cfg.img_size, batch_size=cfg.batch_size, runtime=data_runtime if split == "train" else runtime,
+                split, args.records, img_size=cfg.img_size, batch_size=cfg.batch_size,
+                runtime=data_runtime if split == "train" else runtime,
                 loader_cfg=params.loader, augment_cfg=cfg.train_augment(params.augment), crop_pct=cfg.val_crop_pct,
                 seed=params.seed,
             )

@@ -19,12 +19,13 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from torch import nn
 
-from coarse2fine import distributed, models, parallel, pipeline, train
+from coarse2fine import distributed, models, parallel, pipeline, tensor_parallel, train
 from coarse2fine.config import CustomVolo, Parallel, TimmModel
 from coarse2fine.errors import UserError
 from coarse2fine.mesh import ParallelDims
@@ -107,6 +108,16 @@ def test_a_pipeline_deals_the_blocks_out_and_every_weight_has_one_stage():
     resnet = models.build_model(TimmModel(name="resnet10t"), num_classes=10, img_size=32)
     with pytest.raises(UserError, match="parallel.pipeline: 2 splits timm's ViT and VOLO; not ResNet"):
         pipeline.assign(resnet, 2)
+
+
+def test_tensor_parallelism_refuses_a_cnn_and_heads_it_cannot_split():
+    two, three = SimpleNamespace(size=lambda: 2), SimpleNamespace(size=lambda: 3)  # a mesh as far as the checks go
+    resnet = models.build_model(TimmModel(name="resnet10t"), num_classes=10, img_size=32)
+    with pytest.raises(UserError, match="parallel.tensor: 2 splits the attention and MLP of timm's ViT and VOLO "
+                                        "blocks; ResNet has none"):
+        tensor_parallel.parallelize(resnet, two)
+    with pytest.raises(UserError, match="parallel.tensor: 3 does not divide blocks.0's 4 attention heads"):
+        tensor_parallel.parallelize(build("vit"), three)
 
 
 # ------------------------------------------------------------------------------------------- real ranks

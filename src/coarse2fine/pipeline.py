@@ -31,7 +31,10 @@ def assign(model: nn.Module, stages: int) -> dict[str, int]:
     from coarse2fine.parallel import named_blocks
 
     if not isinstance(model, (VisionTransformer, VOLO)):
-        raise UserError(f"parallel.pipeline: {stages} splits timm's ViT and VOLO; not {type(model).__name__}")
+        raise UserError(
+            f"parallel.pipeline: {stages} splits timm's ViT and VOLO; not {type(model).__name__} (parallel applies "
+            f"to every training stage: import the teacher, teacher.mode: import, or train it with pipeline: 1)"
+        )
     blocks = [name for name, _ in named_blocks(model)]
     if len(blocks) < stages:
         raise UserError(f"parallel.pipeline: {stages} stages, but {type(model).__name__} has {len(blocks)} blocks")

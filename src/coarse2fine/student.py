@@ -51,7 +51,8 @@ def train_student(
         data_runtime = runtime.data_view(ParallelDims.of_run(params.parallel, runtime.world_size))
         loaders = {
             split: build_loader(
-                split, paths.records, img_size=cfg.img_size, batch_size=cfg.batch_size, runtime=data_runtime if split == "train" else runtime,
+                split, paths.records, img_size=cfg.img_size, batch_size=cfg.batch_size,
+                runtime=data_runtime if split == "train" else runtime,
                 loader_cfg=params.loader, augment_cfg=cfg.train_augment(params.augment), crop_pct=cfg.val_crop_pct,
                 seed=params.seed,
                 token_labels=labels if split == "train" else None,

@@ -56,9 +56,8 @@ def fsdp_placement(parameter: nn.Parameter) -> Shard | None:
     """FSDP2's `shard_placement_fn`: a weight split q/k/v apart by TP is sharded on its input dimension. On its
     output dimension (FSDP2's default, dim 0) torch 2.14 composes the two placements wrongly: the full tensor comes
     out permuted (0.1 off on a ViT's qkv weight, tests/test_tensor_pipeline.py)."""
-    if isinstance(parameter, DTensor) and any(isinstance(placement, _StridedShard) for placement in parameter.placements):
-        return Shard(1)
-    return None
+    strided = isinstance(parameter, DTensor) and any(isinstance(p, _StridedShard) for p in parameter.placements)
+    return Shard(1) if strided else None
 
 
 class LocalHeadsAttention(volo.Attention):
@@ -82,7 +81,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh) -> None:
     if not blocks:
         raise UserError(
             f"parallel.tensor: {size} splits the attention and MLP of timm's ViT and VOLO blocks; "
-            f"{type(model).__name__} has none (train it with tensor: 1)"
+            f"{type(model).__name__} has none (parallel applies to every training stage: import the teacher, "
+            f"teacher.mode: import, or train it in a run with tensor: 1)"
         )
     for name, block in blocks:
         attention = block.attn

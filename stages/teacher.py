@@ -14,6 +14,7 @@ from coarse2fine.config import Params
 from coarse2fine.data import records
 from coarse2fine.data.loaders import IMAGE_MEAN, IMAGE_STD, build_loader, eval_transform
 from coarse2fine.evaluate import evaluate
+from coarse2fine.mesh import ParallelDims
 from coarse2fine.tracking.runs import Tracker
 
 # What this stage reads (as dvc.yaml lists it); tracked in MLflow, and a checkpoint under others is not resumed.
@@ -26,16 +27,19 @@ def main(params: Params, args: argparse.Namespace) -> None:
     cfg = params.teacher
     classes = records.read_classes(args.records)
     with distributed.session(params.launch.device) as runtime:
+        # The ranks of one tensor or pipeline group train on the same batches, seeded alike (coarse2fine.mesh).
+        data_runtime = runtime.data_view(ParallelDims.of_run(params.parallel, runtime.world_size))
         loaders = {
             split: build_loader(
-                split, args.records, img_size=cfg.img_size, batch_size=cfg.batch_size, runtime=runtime,
+                split, args.records, img_size=cfg.img_size, batch_size=cfg.batch_size,
+                runtime=data_runtime if split == "train" else runtime,
                 loader_cfg=params.loader, augment_cfg=cfg.train_augment(params.augment), crop_pct=cfg.val_crop_pct,
                 seed=params.seed,
             )
             for split in (("train", "val") if cfg.mode == "train" else ("val",))
         }
         runtime.announce("teacher", cfg.precision, loader=loaders["val"].backend)
-        train.seed_everything(params.seed, runtime)
+        train.seed_everything(params.seed, data_runtime)
         model = models.build_model(cfg.model, num_classes=len(classes), img_size=cfg.img_size)
         model_file = Path(args.out) / "model.pt"
         if cfg.mode == "import":

@@ -81,6 +81,11 @@ def test_shipped_params_are_valid_and_document_every_training_knob():
         ("finetune.mixup", {"mixup_alpha": 0.2}, "finetune.mixup: Mixup/CutMix mixes ground-truth targets, but finetune.token_label.enabled"),
         ("teacher.mixup", {"cutmix_alpha": 1.0, "prob": 0.5}, None),  # the teacher learns from the ground truth
         ("teacher.batch_size", 63, None),
+        # The mesh's dimensions multiply to the world (1 rank here): one line naming the keys and their values.
+        ("parallel.tensor", 2, "parallel: data auto x tensor 2 x pipeline 1 does not make the world of 1 ranks"),
+        ("parallel", {"data": 2}, "parallel: data 2 x tensor 1 x pipeline 1 does not make the world of 1 ranks"),
+        ("parallel.pipeline", 0, "parallel.pipeline: Input should be greater than 0 (got 0)"),
+        ("parallel.schedule", "zb", "parallel.schedule: Input should be 'gpipe' or '1f1b' (got 'zb')"),
     ],
 )
 def test_bad_values_name_the_key(path, value, expected):

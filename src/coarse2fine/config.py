@@ -27,6 +27,7 @@ from pydantic import (
 
 from coarse2fine.errors import UserError
 from coarse2fine.files import atomic_path
+from coarse2fine.mesh import ParallelDims
 
 CUSTOM_MODEL = "volo_custom"
 # Validation context key: False skips the check of model names against timm's registry, which imports timm
@@ -115,9 +116,18 @@ class Checkpoint(Section):
 
 class Parallel(Section):
     """How a training stage (teacher, pretrain, finetune) spreads its model over the ranks (coarse2fine.parallel):
-    ddp, a whole model per rank, or fsdp, FSDP2's fully_shard per block with DCP checkpoints."""
+    a mesh of data x tensor x pipeline ranks (coarse2fine.mesh). On the data dimension, ddp (a whole model per
+    rank) or fsdp (FSDP2's fully_shard per block, DCP checkpoints); tensor > 1 splits every attention and MLP of a
+    ViT or VOLO over that many ranks; pipeline > 1 gives each rank a consecutive slice of the blocks."""
 
     strategy: Literal["ddp", "fsdp"] = "ddp"
+    data: int = Field(0, ge=0)  # 0: the ranks left, world size / (tensor x pipeline)
+    tensor: int = Field(1, gt=0)
+    pipeline: int = Field(1, gt=0)
+    schedule: Literal["gpipe", "1f1b"] = "1f1b"  # pipeline > 1: torch.distributed.pipelining's schedule
+    # pipeline > 1: each rank's batch is split into this many micro-batches; the idle share of a step (the bubble)
+    # is (pipeline - 1) / (microbatches + pipeline - 1) under both schedules (GPipe, arXiv:1811.06965).
+    microbatches: int = Field(4, gt=0)
 
 
 class DigitsSource(Section):
@@ -616,31 +626,68 @@ class Params(Section):
 
     @model_validator(mode="after")
     def _lrs_decay(self) -> Params:
-        sections = ("pretrain", "finetune") if self.teacher.mode == "import" else ("teacher", "pretrain", "finetune")
-        for name in sections:
+        data_ranks = ParallelDims.of(self.parallel, self.launch.world_size).data  # the global batch's ranks
+        for name in self._trained_sections():
             try:
-                getattr(self, name).check_lr_decays(self.launch.world_size)
+                getattr(self, name).check_lr_decays(data_ranks)
             except ValueError as error:
                 raise ValueError(f"{name}.{error}") from None
         return self
 
     @model_validator(mode="after")
-    def _fsdp_trains_what_it_can(self) -> Params:
-        if self.parallel.strategy != "fsdp":
+    def _parallel_dims_fill_the_world(self) -> Params:
+        dims = ParallelDims.of(self.parallel, self.launch.world_size)
+        if self.parallel.strategy == "ddp" and dims.data > 1 and dims.model_parallel:
+            # torchtitan refuses it too: DDP replicates plain tensors, not the DTensors of TP or a pipeline's stages.
+            raise ValueError(
+                f"parallel.strategy: ddp replicates whole models only; with tensor {dims.tensor} x pipeline "
+                f"{dims.pipeline} on {dims.data} data ranks use fsdp"
+            )
+        if dims.pipeline > 1:
+            if self.parallel.microbatches < dims.pipeline:  # fewer cannot keep every stage busy once
+                raise ValueError(
+                    f"parallel.microbatches: {self.parallel.microbatches} is fewer than the pipeline's "
+                    f"{dims.pipeline} stages"
+                )
+            for name in self._trained_sections():
+                cfg = getattr(self, name)
+                if cfg.batch_size % self.parallel.microbatches:
+                    raise ValueError(
+                        f"{name}.batch_size: {cfg.batch_size} does not split into parallel.microbatches "
+                        f"{self.parallel.microbatches} equal micro-batches"
+                    )
+                # MixToken's box is drawn where the stem runs (the first stage) and is needed after the head (the
+                # last): nothing carries it between stages.
+                if isinstance(cfg, Pretrain) and cfg.token_label.mixes_tokens:
+                    raise ValueError(f"{name}.token_label.mix_token: not with parallel.pipeline {dims.pipeline}")
+                if cfg.compile:
+                    raise ValueError(f"{name}.compile: not with parallel.pipeline {dims.pipeline}")
+        return self
+
+    def _trained_sections(self) -> tuple[str, ...]:
+        return ("pretrain", "finetune") if self.teacher.mode == "import" else ("teacher", "pretrain", "finetune")
+
+    @model_validator(mode="after")
+    def _sharded_layouts_train_what_they_can(self) -> Params:
+        dims = ParallelDims.of(self.parallel, self.launch.world_size)
+        if self.parallel.strategy == "fsdp":
+            layout = "parallel.strategy fsdp"
+        elif dims.model_parallel:
+            layout = f"parallel.tensor {dims.tensor} x pipeline {dims.pipeline}"
+        else:
             return self
-        sections = ("pretrain", "finetune") if self.teacher.mode == "import" else ("teacher", "pretrain", "finetune")
-        for name in sections:
+        for name in self._trained_sections():
             cfg = getattr(self, name)
             # The EMA's copy of a sharded model would need sharding of its own; fp16's loss scaler unscales
             # gradients that are DTensors under FSDP, which nothing here has run. bf16 needs no scaler.
             if cfg.ema.enabled:
-                raise ValueError(f"{name}.ema.enabled: not with parallel.strategy fsdp (use ddp, or turn the EMA off)")
+                raise ValueError(f"{name}.ema.enabled: not with {layout} (use ddp, or turn the EMA off)")
             if cfg.precision == "fp16":
-                raise ValueError(f"{name}.precision: fp16 is not supported with parallel.strategy fsdp: use bf16")
+                raise ValueError(f"{name}.precision: fp16 is not supported with {layout}: use bf16")
             # Kron's preconditioners are plain tensors of the whole parameter's shape: against a DTensor shard
             # its first step fails (mixed torch.Tensor and DTensor).
             if cfg.optimizer.name == "kron":
-                raise ValueError(f"{name}.optimizer.name: kron is not supported with parallel.strategy fsdp: use ddp")
+                raise ValueError(f"{name}.optimizer.name: kron is not supported with {layout}: use ddp")
         return self
 
     @model_validator(mode="after")

@@ -12,15 +12,19 @@ line at start (`Runtime.announce`). Every collective of the project goes through
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from coarse2fine.errors import UserError
+
+if TYPE_CHECKING:
+    from coarse2fine.mesh import ParallelDims
 
 PRECISION_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -66,6 +70,13 @@ class Runtime:
         if self.is_cuda and is_convnet(model):
             return model.to(self.device, memory_format=torch.channels_last)
         return model.to(self.device)
+
+    def data_view(self, dims: ParallelDims) -> Runtime:
+        """This runtime as the training data sees it: its rank and world on the mesh's data dimension
+        (coarse2fine.mesh). The ranks of one tensor or pipeline group read the same batches (they compute one model
+        replica's step) and seed alike (the drop-path masks of a replicated activation must agree). With data
+        parallelism only, the runtime itself."""
+        return dataclasses.replace(self, rank=dims.coordinates(self.rank)["data"], world_size=dims.data)
 
     def synchronize(self) -> None:
         """Wait for the device's queued work: a GPU timing read without it measures the launches, not the work."""
@@ -190,18 +201,19 @@ def barrier() -> None:
         dist.barrier()
 
 
-def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
-    """Sum over ranks, in place and returned; a no-op in a world of one."""
+def all_reduce_sum(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """Sum over the ranks of `group` (None: all), in place and returned; a no-op in a world of one."""
     if dist.is_initialized():
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
     return tensor
 
 
-def broadcast_tensors(tensors: list[torch.Tensor], src: int = 0) -> None:
-    """Overwrite every rank's `tensors` (in place) with rank `src`'s; a no-op in a world of one."""
+def broadcast_tensors(tensors: list[torch.Tensor], src: int = 0, group: Any = None) -> None:
+    """Overwrite the `tensors` (in place) of every rank of `group` (None: all) with global rank `src`'s; a no-op
+    in a world of one."""
     if dist.is_initialized():
         for tensor in tensors:
-            dist.broadcast(tensor.data, src=src)
+            dist.broadcast(tensor.data, src=src, group=group)
 
 
 def all_gather_objects(obj: Any) -> list[Any]:

@@ -14,6 +14,7 @@ from coarse2fine.data import records
 from coarse2fine.data.loaders import build_loader
 from coarse2fine.files import file_sha256
 from coarse2fine.labels import store
+from coarse2fine.mesh import ParallelDims
 
 
 @dataclass(frozen=True)
@@ -46,9 +47,12 @@ def train_student(
     if paths.init_from is not None:
         inputs["init_digest"] = file_sha256(models.existing_file(paths.init_from, "model file"))
     with distributed.session(params.launch.device) as runtime:
+        # The ranks of one tensor or pipeline group train on the same batches, seeded alike (coarse2fine.mesh).
+        data_runtime = runtime.data_view(ParallelDims.of_run(params.parallel, runtime.world_size))
         loaders = {
             split: build_loader(
-                split, paths.records, img_size=cfg.img_size, batch_size=cfg.batch_size, runtime=runtime,
+                split, paths.records, img_size=cfg.img_size, batch_size=cfg.batch_size,
+                runtime=data_runtime if split == "train" else runtime,
                 loader_cfg=params.loader, augment_cfg=cfg.train_augment(params.augment), crop_pct=cfg.val_crop_pct,
                 seed=params.seed,
                 token_labels=labels if split == "train" else None,
@@ -56,7 +60,7 @@ def train_student(
             for split in ("train", "val")
         }
         runtime.announce(stage, cfg.precision, loader=loaders["train"].backend)
-        train.seed_everything(params.seed, runtime)
+        train.seed_everything(params.seed, data_runtime)
         model = models.build_model(
             params.model, num_classes=len(classes), img_size=cfg.img_size, mix_token=cfg.token_label.mixes_tokens
         )

@@ -1,7 +1,7 @@
 """The one training loop, shared by every training stage (the teacher, pre-training and fine-tuning).
 
-Per optimizer update: `accum_steps` micro-batches through DDP or FSDP2 (coarse2fine.parallel: a component
-built from params; gradients reduced only on the last micro-batch),
+Per optimizer update: `accum_steps` micro-batches through DDP, FSDP2, tensor or pipeline parallelism
+(coarse2fine.parallel: a component built from params; gradients reduced only on the last micro-batch),
 optional clipping, the optimizer step, the per-update LR schedule and the EMA. Per epoch: validation,
 metrics, and a checkpoint that makes a killed run resumable with bit-identical results on CPU; inside an epoch,
 a checkpoint every `checkpoint.every_minutes` or `checkpoint.every_updates` (params; `CheckpointSchedule`), after
@@ -51,11 +51,10 @@ from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from timm.optim import create_optimizer_v2
 from timm.scheduler import CosineLRScheduler, PolyLRScheduler
 from timm.scheduler.scheduler import Scheduler
-from timm.utils import ModelEmaV3, distribute_bn
+from timm.utils import ModelEmaV3
 from torch import nn
 
 from coarse2fine import config, distributed, losses, models, parallel
@@ -239,8 +238,8 @@ class Trainer:
         self.model_cfg = model_cfg or params.model  # what the model file records as the architecture
 
         self.autocast_dtype = runtime.autocast_dtype(cfg.precision)
-        # DDP or FSDP (params parallel.strategy): the loop below is the same under both.
-        self.parallel = parallel.build(params.parallel.strategy, runtime, self.autocast_dtype)
+        # DDP, FSDP, TP, a pipeline (params parallel): the loop below is the same under all of them.
+        self.parallel = parallel.build(params.parallel, runtime, self.autocast_dtype)
         self.model = runtime.place(model)
         self.parallel.shard(self.model)
         train_forward = models.TrainForward(self.model)
@@ -248,9 +247,10 @@ class Trainer:
             train_forward = torch.compile(train_forward)
         self.train_forward = self.parallel.wrap(train_forward)
 
-        self.global_batch = cfg.global_batch(runtime.world_size)
+        self.data_ranks = self.parallel.dims.data  # the ranks reading distinct batches
+        self.global_batch = cfg.global_batch(self.data_ranks)
         try:  # params.yaml was checked at the launch keys' world size; this is the world torchrun gave
-            cfg.check_lr_decays(runtime.world_size)
+            cfg.check_lr_decays(self.data_ranks)
         except ValueError as error:
             raise UserError(f"params.yaml: {stage}.{error}") from None
         self.lr = cfg.optimizer.peak_lr(self.global_batch)
@@ -289,12 +289,14 @@ class Trainer:
             tracker.resume_history(self.history)
             if self.resumed_despite:
                 tracker.set_tag(RESUMED_DESPITE_TAG, ", ".join(self.resumed_despite))
-            cfg, world = self.cfg, self.runtime.world_size
+            cfg, world = self.cfg, self.data_ranks
             self._print(
                 f"{cfg.optimizer.describe_lr(self.global_batch)} (global batch {self.global_batch} = "
                 f"{cfg.batch_size} per device x {cfg.accum_steps} accumulated x {world} ranks)"
             )
-            tracker.log_setup({"effective_lr": self.lr, "global_batch": self.global_batch, "world_size": world})
+            tracker.log_setup(
+                {"effective_lr": self.lr, "global_batch": self.global_batch, "world_size": self.runtime.world_size}
+            )
             for split in ("train", "val") if self.records_dir else ():
                 tracker.log_records(self.records_dir, split)
             for epoch in range(self.start_epoch, self.cfg.total_epochs):
@@ -382,11 +384,10 @@ class Trainer:
         self._stop_on_nonfinite_loss(epoch, nonfinite, first_nonfinite, num_batches)
         self.runtime.synchronize()
         seconds = sums.seconds + time.perf_counter() - start
-        if dist.is_initialized():
-            # DDP gives every forward rank 0's BatchNorm statistics, but each rank's last forward updated its
-            # own: average them (as timm's train.py does), so that every rank validates the same model.
-            for module in (self.model, self.ema.module) if self.ema else (self.model,):
-                distribute_bn(module, self.runtime.world_size, reduce=True)
+        # DDP gives every forward rank 0's BatchNorm statistics, but each rank's last forward updated its
+        # own: average them (as timm's train.py does), so that every rank validates the same model.
+        for module in (self.model, self.ema.module) if self.ema else (self.model,):
+            self.parallel.average_batchnorm(module)
         totals = distributed.all_reduce_sum(torch.stack([sums.loss_sum, sums.loss_sum.new_tensor(float(sums.samples))]))
         return {
             "train_loss": (totals[0] / totals[1]).item(),
@@ -423,17 +424,27 @@ class Trainer:
 
         Without `sync`, the gradients are not reduced across ranks (DDP's no_sync, FSDP's
         set_requires_gradient_sync): only once, on the update's last micro-batch. `poisoned`: the loss made NaN
-        (NONFINITE_LOSS_HOOK, tests only).
+        (NONFINITE_LOSS_HOOK, tests only). The strategy runs the forward and backward (a pipeline's schedule splits
+        the batch further, into its own micro-batches, and asks for the loss of each one's rows).
         """
         with self.parallel.gradient_sync(self.train_forward, sync):
             dtype = self.autocast_dtype
             batch = self.objective.prepare(batch)
-            with torch.autocast(self.runtime.device.type, dtype=dtype, enabled=dtype is not None):
-                loss = self.objective(self.train_forward(batch["image"]), batch)
-            if poisoned:
-                loss = loss * float("nan")
-            self.scaler.scale(loss / micro_steps).backward()
-        return loss.detach()
+            size = len(batch["image"])
+
+            def loss_of(output: models.TrainOutput, rows: torch.Tensor | None) -> torch.Tensor:
+                part = batch if rows is None else {
+                    key: value[rows] if isinstance(value, torch.Tensor) and value.ndim and len(value) == size else value
+                    for key, value in batch.items()
+                }
+                loss = self.objective(output, part)
+                return loss * float("nan") if poisoned else loss
+
+            return self.parallel.forward_backward(
+                self.train_forward, batch["image"], loss_of,
+                lambda: torch.autocast(self.runtime.device.type, dtype=dtype, enabled=dtype is not None),
+                lambda loss: self.scaler.scale(loss / micro_steps),
+            )
 
     def optimizer_step(self) -> bool:
         """One update; returns whether fp16's grad scaler skipped it (inf/NaN gradients). With fp16 that costs a
@@ -441,7 +452,7 @@ class Trainer:
         scale = self.scaler.get_scale() if self.scaler.is_enabled() else None
         if self.cfg.clip_grad > 0:
             self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the fp16-scaled ones
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.clip_grad)
+            self.parallel.clip_grad_norm_(list(self.model.parameters()), self.cfg.clip_grad)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)

@@ -185,9 +185,10 @@ def header_line() -> str:
 
 
 def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(str(cell)) for cell in column) for column in zip(headers, *rows)]
-    lines = [headers, ["-" * width for width in widths], *rows]
-    return "\n".join("| " + " | ".join(str(cell).ljust(w) for cell, w in zip(line, widths)) + " |" for line in lines)
+    header, *body = [[str(cell).replace("|", "\\|") for cell in line] for line in [headers, *rows]]  # | ends a cell
+    widths = [max(len(cell) for cell in column) for column in zip(header, *body)]
+    lines = [header, ["-" * width for width in widths], *body]
+    return "\n".join("| " + " | ".join(cell.ljust(w) for cell, w in zip(line, widths)) + " |" for line in lines)
 
 
 def goal(text: str, met: bool | None, measured: str) -> str:

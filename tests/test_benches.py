@@ -1,8 +1,9 @@
 """Every benchmark of bench/ as users run it, in its --tiny mode (the same code path at the smallest sizes, seconds
-to a minute or two, no figure asserted): the report's rows, its cells' format and its goal lines' verdicts. The
-pipeline benches share one project copy: bench/startup.py --tiny makes it (a real DVC project running the real
-stages), caching, token_targets and ablation reuse it; peer and optimizers make their own (digits), timm's
-train.py joins peer when a checkout is given. Also: how a bench stops when a stage's output changes shape.
+to two minutes, no figure asserted): the report's rows, its cells' format and its goal lines' verdicts. Benches
+share what they make through a common --workdir: bench/startup.py --tiny's project copy (a real DVC project
+running the real stages) serves caching, token_targets and ablation; optimizers' digits copy serves scaling;
+loader's photos and records serve loader_profile. peer makes its own, with timm's train.py when a checkout is
+given. Also: how a bench stops when a stage's output changes shape.
 """
 
 from __future__ import annotations

@@ -185,9 +185,10 @@ def header_line() -> str:
 
 
 def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(str(cell)) for cell in column) for column in zip(headers, *rows)]
-    lines = [headers, ["-" * width for width in widths], *rows]
-    return "\n".join("| " + " | ".join(str(cell).ljust(w) for cell, w in zip(line, widths)) + " |" for line in lines)
+    header, *body = [[str(cell).replace("|", "\\|") for cell in line] for line in [headers, *rows]]  # | ends a cell
+    widths = [max(len(cell) for cell in column) for column in zip(header, *body)]
+    lines = [header, ["-" * width for width in widths], *body]
+    return "\n".join("| " + " | ".join(cell.ljust(w) for cell, w in zip(line, widths)) + " |" for line in lines)
 
 
 def goal(text: str, met: bool | None, measured: str) -> str:
@@ -209,6 +210,22 @@ def add_common_arguments(parser: argparse.ArgumentParser, *, repeats: int) -> No
     )
 
 
+def add_tiny_argument(parser: argparse.ArgumentParser, sizes: str) -> None:
+    parser.add_argument(
+        "--tiny", action="store_true",
+        help="a smoke test of the bench itself (tests/test_benches.py): the same code path at the smallest sizes, "
+        f"figures that measure nothing: {sizes} (options given on the command line win)",
+    )
+
+
+def tiny_sizes(parser: argparse.ArgumentParser, args: argparse.Namespace, **sizes: object) -> None:
+    """With --tiny, `sizes` (option name -> value) replace the options left at their defaults."""
+    if args.tiny:
+        for name, value in sizes.items():
+            if getattr(args, name) == parser.get_default(name):
+                setattr(args, name, value)
+
+
 def write_json(args: argparse.Namespace, text: str, raw: dict) -> None:
     """The report, the options and the raw numbers, to --json PATH if given."""
     if args.json is not None:
@@ -221,6 +238,17 @@ def write_json(args: argparse.Namespace, text: str, raw: dict) -> None:
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 STAGE_LINE = re.compile(r"Running stage '([\w@-]+)'")
+# The shipped params cut to almost no work: bench/startup.py's copy, and the one copy the pipeline benches' --tiny
+# runs share in the test suite (startup makes it, the others reuse it from the same --workdir: see project_copy).
+NEAR_EMPTY = {
+    "data": {"subset": 0.1},
+    **{stage: {"epochs": 1} for stage in ("teacher", "pretrain", "finetune")},
+    "evaluate": {"pretrain": {"extra_sizes": []}, "finetune": {"extra_sizes": []}},
+}
+# The digits copy of bench/optimizers.py --tiny and bench/scaling.py --tiny (a tenth of the digits at 32 px, the
+# schema's stem stride: 2 x 2 tokens), which runs only convert: one for both in a shared --workdir (project_copy).
+TINY_DIGITS = {"data": {"source": "digits", "subset": 0.1}, "model": {"patch_size": 8}, "pretrain": {"img_size": 32}}
+COPY_DIR = "project"  # a bench's project copy in its --workdir
 
 
 def merge_params(base: dict, change: dict) -> dict:
@@ -338,3 +366,16 @@ class ProjectCopy:
             raise RuntimeError(f"dvc {' '.join(args)} failed ({process.returncode}):\n{output}")
         ends = [at for _, at in marks[1:]] + [ended]
         return Repro(ended - started, {stage: end - at for (stage, at), end in zip(marks, ends)}, output)
+
+
+def project_copy(work: Path, params: dict) -> ProjectCopy:
+    """The project copy at work/COPY_DIR: the one a kept --workdir holds if it was made with the same `params` (what
+    its stages wrote is reused: DVC runs only what a bench changes), else a new one."""
+    path = work / COPY_DIR
+    if not (path / "params.yaml").is_file():
+        return ProjectCopy(path, params)
+    project = ProjectCopy.reopen(path)
+    wanted = merge_params(yaml.safe_load((PROJECT_ROOT / "params.yaml").read_text()), params)
+    if yaml.safe_load((path / "params.yaml").read_text()) != wanted:
+        raise SystemExit(f"{path} holds a project copy made with other params: use another --workdir")
+    return project

@@ -25,10 +25,14 @@ Run: python bench/ablation.py [--rows NAME ...] [--seed N] [--set KEY=VALUE ...]
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 from pathlib import Path
 
-from _common import ProjectCopy, header_line, markdown_table, workspace, write_json
+from _common import (
+    NEAR_EMPTY, ProjectCopy, add_tiny_argument, header_line, markdown_table, merge_params, project_copy, workspace,
+    write_json,
+)
 from coarse2fine.config import Params, load_params
 from coarse2fine.data import sources
 from peer import run_timm
@@ -41,14 +45,17 @@ PHOTOS = {
     "evaluate": {"pretrain": {"extra_sizes": [64]}, "finetune": {"extra_sizes": [48]}},
 }
 EPOCHS = {"coarse": 60, "fine": 10, "direct": 70}
+# --tiny: bench/startup.py's near-empty copy (a tenth of the patches, a 1-epoch teacher: reused from a --workdir
+# where startup.py --tiny ran, as the photos are the shipped data) and 1 + 1 student epochs, direct their sum.
+TINY_EPOCHS = {"coarse": 1, "fine": 1, "direct": 2}
 
 
-def row(token_labels: bool, mix_token: bool, coarse_to_fine: bool) -> list[str]:
+def row(token_labels: bool, mix_token: bool, coarse_to_fine: bool, epochs: dict[str, int]) -> list[str]:
     """`dvc exp run` arguments of one row: every ablated key set, and the last stage it needs."""
     settings = {
         "pretrain.img_size": 48 if coarse_to_fine else 64,
-        "pretrain.epochs": EPOCHS["coarse"] if coarse_to_fine else EPOCHS["direct"],
-        "finetune.epochs": EPOCHS["fine"],
+        "pretrain.epochs": epochs["coarse"] if coarse_to_fine else epochs["direct"],
+        "finetune.epochs": epochs["fine"],
     }
     for stage in ("pretrain", "finetune"):
         settings[f"{stage}.token_label.enabled"] = token_labels
@@ -57,12 +64,12 @@ def row(token_labels: bool, mix_token: bool, coarse_to_fine: bool) -> list[str]:
     return arguments + ["evaluate@finetune" if coarse_to_fine else "evaluate@pretrain"]
 
 
-ROWS = {
-    "ground truth, coarse-to-fine": row(False, False, True),
-    "token labels + MixToken, coarse-to-fine (the recipe)": row(True, True, True),
-    "token labels, no MixToken, coarse-to-fine": row(True, False, True),
-    "ground truth, direct at 64 px": row(False, False, False),
-    "token labels + MixToken, direct at 64 px": row(True, True, False),
+ROWS = {  # name -> row()'s token_labels, mix_token, coarse_to_fine
+    "ground truth, coarse-to-fine": (False, False, True),
+    "token labels + MixToken, coarse-to-fine (the recipe)": (True, True, True),
+    "token labels, no MixToken, coarse-to-fine": (True, False, True),
+    "ground truth, direct at 64 px": (False, False, False),
+    "token labels + MixToken, direct at 64 px": (True, True, False),
 }
 TIMM_ROW = "timm train.py, ground truth, direct at 64 px"
 
@@ -80,7 +87,12 @@ def parse_args() -> argparse.Namespace:
                         help="more params for every DVC row (dvc exp run -S), e.g. pretrain.token_label.mix_token=false: "
                              "a knob's effect is this run's rows against a run without it, at the same seed")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the report and numbers here")
+    add_tiny_argument(parser, "bench/startup.py's near-empty copy of the photos (data.subset 0.1, a 1-epoch teacher, "
+                              "no extra evaluation sizes; reused from a --workdir where startup.py --tiny ran), student "
+                              f"epochs coarse-to-fine {TINY_EPOCHS['coarse']} + {TINY_EPOCHS['fine']}, direct "
+                              f"{TINY_EPOCHS['direct']}")
     args = parser.parse_args()
+    args.epochs = TINY_EPOCHS if args.tiny else EPOCHS
     if args.rows is None:
         args.rows = [*ROWS, TIMM_ROW] if args.timm_repo is not None else list(ROWS)
     if TIMM_ROW in args.rows and (args.timm_repo is None or not (args.timm_repo / "train.py").is_file()):
@@ -92,14 +104,15 @@ def main() -> None:
     args = parse_args()
     results = {}
     with workspace(args.workdir) as work:
-        project = open_project(work / "project", args.seed)
+        copy_params = {**copy.deepcopy(PHOTOS), "seed": args.seed}
+        project = project_copy(work, merge_params(copy_params, NEAR_EMPTY) if args.tiny else copy_params)
         params = load_params(project.path / "params.yaml")
         train_images = params.data.photos.train_per_class * len(sources.PHOTOS)
         for name in args.rows:
             if name == TIMM_ROW:
-                results[name] = run_timm_row(args.timm_repo, work, params)
+                results[name] = run_timm_row(args.timm_repo, work, params, args.epochs)
             else:
-                results[name] = run_row(project, name, args.extra_settings)
+                results[name] = run_row(project, name, args.extra_settings, args.epochs)
             print(f"{name}: top-1 {results[name]['top1']:.2f} %", flush=True)
     rows = [
         [name, f"{value['top1']:.2f}", f"{value['loss']:.3f}" if "loss" in value else "-", f"{value['gpx']:.2f}",
@@ -108,8 +121,10 @@ def main() -> None:
     ]
     text = "\n".join([
         header_line(),
-        f"photos ({train_images} train images, seed {args.seed}), tiny VOLO student, epochs: coarse-to-fine "
-        f"{EPOCHS['coarse']} @ 48 px + {EPOCHS['fine']} @ 64 px, direct {EPOCHS['direct']} @ 64 px"
+        f"photos ({train_images} train images"
+        + (f" x data.subset {params.data.subset:g}" if params.data.subset < 1 else "")
+        + f", seed {args.seed}), tiny VOLO student, epochs: coarse-to-fine "
+        f"{args.epochs['coarse']} @ 48 px + {args.epochs['fine']} @ 64 px, direct {args.epochs['direct']} @ 64 px"
         + (f"; every DVC row with {' '.join(args.extra_settings)}" if args.extra_settings else ""),
         "",
         markdown_table(["run", "top-1 %", "val loss", "student compute (Gpx)", "student wall time (s)"], rows),
@@ -118,22 +133,10 @@ def main() -> None:
     write_json(args, text, {"results": results})
 
 
-def open_project(path: Path, seed: int) -> ProjectCopy:
-    """The project copy: a new one, or the one a kept --workdir holds for the same seed (its records, teacher and
-    token labels are reused, so another knob costs only the students)."""
-    if not (path / "params.yaml").is_file():
-        return ProjectCopy(path, {**PHOTOS, "seed": seed})
-    project = ProjectCopy.reopen(path)
-    made_with = load_params(path / "params.yaml").seed
-    if made_with != seed:
-        raise SystemExit(f"ablation: {path} was made with --seed {made_with}, not {seed}: use another --workdir")
-    return project
-
-
-def run_row(project: ProjectCopy, name: str, extra_settings: list[str]) -> dict:
+def run_row(project: ProjectCopy, name: str, extra_settings: list[str], epochs: dict[str, int]) -> dict:
     """One `dvc exp run` (the row's keys, then `extra_settings`): the evaluate stage's top-1 and loss, the students'
     compute and their stages' wall time."""
-    arguments = ROWS[name]
+    arguments = row(*ROWS[name], epochs)
     extra = [f"-S={setting}" for setting in extra_settings]
     run = project.timed_dvc("exp", "run", "-n", _experiment_name(name), *arguments[:-1], *extra, arguments[-1])
     last = arguments[-1].split("@")[1]
@@ -154,15 +157,15 @@ def run_row(project: ProjectCopy, name: str, extra_settings: list[str]) -> dict:
     }
 
 
-def run_timm_row(timm_repo: Path, work: Path, params: Params) -> dict:
+def run_timm_row(timm_repo: Path, work: Path, params: Params, epochs: dict[str, int]) -> dict:
     """timm's train.py on the same patches (PNG files), the same student directly at 64 px."""
     tree = work / "photos"
     if not tree.is_dir():
         sources.write_photos(tree, params.data.photos, params.seed)
-    side, epochs = PHOTOS["finetune"]["img_size"], EPOCHS["direct"]
-    run = run_timm(timm_repo, tree, work, {}, num_classes=len(sources.PHOTOS), img_size=side, epochs=epochs)
+    side, direct_epochs = PHOTOS["finetune"]["img_size"], epochs["direct"]
+    run = run_timm(timm_repo, tree, work, {}, num_classes=len(sources.PHOTOS), img_size=side, epochs=direct_epochs)
     train_images = sum(1 for _ in (tree / "train").rglob("*.png"))
-    return {"top1": run["top1"], "gpx": epochs * side**2 * train_images / 1e9, "student_seconds": run["seconds"]}
+    return {"top1": run["top1"], "gpx": direct_epochs * side**2 * train_images / 1e9, "student_seconds": run["seconds"]}
 
 
 def _experiment_name(name: str) -> str:

@@ -18,7 +18,10 @@ import argparse
 import statistics
 from pathlib import Path
 
-from _common import ProjectCopy, Repro, goal, header_line, markdown_table, workspace, write_json
+from _common import (
+    NEAR_EMPTY, Repro, add_tiny_argument, goal, header_line, markdown_table, project_copy, tiny_sizes, workspace,
+    write_json,
+)
 
 GOAL_NOOP_SECONDS = 3.0
 LAST_STAGE = "evaluate@finetune"
@@ -36,8 +39,14 @@ def parse_args() -> argparse.Namespace:
                         help="teacher.epochs, pretrain.epochs and finetune.epochs of the copy (default: 2)")
     parser.add_argument("--repeats", type=int, default=5, metavar="N", help="rounds of both timings (default: 5)")
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write the raw numbers (every repeat) as JSON")
-    parser.add_argument("--workdir", type=Path, metavar="DIR", help="make the project copy here (default: a temp dir)")
-    return parser.parse_args()
+    parser.add_argument("--workdir", type=Path, metavar="DIR",
+                        help="make the project copy here, or reuse the one made there with the same params "
+                             "(default: a temp dir)")
+    add_tiny_argument(parser, "bench/startup.py's near-empty copy (data.subset 0.1, 1 epoch per training stage, no "
+                              "extra evaluation sizes; reused from a --workdir where startup.py --tiny ran), 1 round")
+    args = parser.parse_args()
+    tiny_sizes(parser, args, subset=NEAR_EMPTY["data"]["subset"], epochs=1, repeats=1)
+    return args
 
 
 def earlier_seconds(run: Repro) -> float:
@@ -110,7 +119,9 @@ def main() -> None:
     args = parse_args()
     with workspace(args.workdir) as work:
         fast = {"data": {"subset": args.subset}, **{stage: {"epochs": args.epochs} for stage in ("teacher", "pretrain", "finetune")}}
-        project = ProjectCopy(work / "project", fast)
+        if args.tiny:  # with the tiny sizes: NEAR_EMPTY, so the copy bench/startup.py --tiny left is reused
+            fast["evaluate"] = NEAR_EMPTY["evaluate"]
+        project = project_copy(work, fast)
         full = project.repro()
         noop, change = [], []
         for repeat in range(args.repeats):

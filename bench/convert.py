@@ -19,6 +19,7 @@ from pathlib import Path
 
 from _common import (
     add_common_arguments,
+    add_tiny_argument,
     goal,
     header_line,
     imagefolder_params,
@@ -26,6 +27,7 @@ from _common import (
     markdown_table,
     photo_tree,
     run_convert,
+    tiny_sizes,
     tree_stats,
     workspace,
     write_json,
@@ -33,6 +35,7 @@ from _common import (
 
 GOAL_VS_COPY = 0.5  # conversion at least half the throughput of a raw copy as durable as its output
 SAME_WORK_COPY = "raw copy + fsync"
+TINY_IMAGES = 20  # the fewest that leave train images: val takes at least 10
 
 
 def parse_args() -> argparse.Namespace:
@@ -42,7 +45,10 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--convert-workers", type=int, default=2, metavar="N", help="data.convert_workers (default: 2)")
     add_common_arguments(parser, repeats=5)
-    return parser.parse_args()
+    add_tiny_argument(parser, f"--images {TINY_IMAGES} (10 train, 10 val), 1 repeat")
+    args = parser.parse_args()
+    tiny_sizes(parser, args, images=TINY_IMAGES, repeats=1)
+    return args
 
 
 def copy_and_fsync(source: str, destination: str) -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from _common import header_line, interleaved, markdown_table, write_json
+from _common import add_tiny_argument, header_line, interleaved, markdown_table, tiny_sizes, write_json
 from coarse2fine import losses, models
 from coarse2fine.config import parse_params
 from coarse2fine.data.loaders import IDENTITY_AFFINE
@@ -44,7 +44,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"], help="default: bf16")
     parser.add_argument("--compile", action="store_true", help="add the torch.compile row (minutes to compile)")
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write the raw numbers as JSON")
-    return parser.parse_args()
+    add_tiny_argument(parser, "--batch 8, --steps 2, --repeats 1")
+    args = parser.parse_args()
+    tiny_sizes(parser, args, batch=8, steps=2, repeats=1)
+    return args
 
 
 class TrainerSteps:

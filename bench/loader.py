@@ -26,12 +26,14 @@ from pathlib import Path
 from _common import (
     CPU,
     add_common_arguments,
+    add_tiny_argument,
     convert_tree,
     goal,
     header_line,
     interleaved,
     markdown_table,
     photo_tree,
+    tiny_sizes,
     workspace,
     write_json,
 )
@@ -53,6 +55,7 @@ CROP_DECODE = "crop decode only"
 # Goals of the loader work: DALI at least 1.5x the ImageFolder loader and 80 % of its own crop decoding alone.
 GOAL_VS_FOLDER = 1.5
 GOAL_OF_DECODE = 0.8
+TINY_IMAGES = BATCH_SIZE
 
 
 def parse_args() -> argparse.Namespace:
@@ -73,7 +76,9 @@ def parse_args() -> argparse.Namespace:
         help="augment.interpolation of the crop resize, for every loader (default: bicubic, the project's default)",
     )
     add_common_arguments(parser, repeats=5)
+    add_tiny_argument(parser, f"--images {TINY_IMAGES} (one batch), 1 repeat")
     args = parser.parse_args()
+    tiny_sizes(parser, args, images=TINY_IMAGES, repeats=1)
     if args.workers < 1:
         parser.error("--workers: at least 1 (DALI needs a thread)")
     return args

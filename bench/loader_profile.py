@@ -26,7 +26,7 @@ from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 from coarse2fine.config import parse_params
 from coarse2fine.data import records
 from coarse2fine.data.dali_pipeline import READER_NAME, normalise, read_records, stored_shape
-from loader import BATCH_SIZE, IMG_SIZE, CropDecodeOnly, ProjectLoader
+from loader import BATCH_SIZE, IMG_SIZE, TINY_IMAGES, CropDecodeOnly, ProjectLoader
 
 RESIZES = {  # row name -> fn.resize filter options
     "+ resize bicubic, antialiased (the default)": dict(interp_type=types.INTERP_CUBIC),
@@ -41,7 +41,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--images", type=int, default=1024, metavar="N", help="synthetic train images (default: 1024)")
     parser.add_argument("--threads", type=int, default=2, metavar="N", help="DALI threads (default: 2)")
     common.add_common_arguments(parser, repeats=5)
+    common.add_tiny_argument(parser, f"--images {TINY_IMAGES} (one batch; bench/loader.py --tiny's, reused from the "
+                                     "same --workdir), 1 repeat")
     args = parser.parse_args()
+    common.tiny_sizes(parser, args, images=TINY_IMAGES, repeats=1)
     args.workers, args.rand_augment, args.interpolation = args.threads, "", "bicubic"  # for loader.ProjectLoader
     return args
 

@@ -48,7 +48,9 @@ from pathlib import Path
 
 import yaml
 
-from _common import ProjectCopy, header_line, markdown_table, read_column, workspace, write_json
+from _common import (
+    TINY_DIGITS, ProjectCopy, header_line, markdown_table, project_copy, read_column, workspace, write_json
+)
 
 OPTIMIZERS = {"adamw": "AdamW", "lamb": "LAMB", "kron": "PSGD Kron"}  # optimizer.name -> the table's name
 TARGET = 95.0  # val top-1 %, for "epochs to" (issue 22's measure)
@@ -57,7 +59,7 @@ EPOCHS = 20  # the best rows of the README's run pass 95 % by epoch 6-9, leaving
 LR_BASES = (4e-3, 1.6e-2, 6.4e-2)  # params.yaml's lr_base 1.6e-2 and a factor 4 either side
 MIXUP_ALPHA = 0.2  # the ViT recipe's Mixup (profiles/vit_b16_colossalai.yaml)
 BATCH = {"batch_size": 64, "accum_steps": 4}
-TINY = {"subset": 0.1, "batch": {"batch_size": 16, "accum_steps": 2}, "epochs": 1, "lr_bases": (1.6e-2,)}
+TINY = {"batch": {"batch_size": 16, "accum_steps": 2}, "epochs": 1, "lr_bases": (1.6e-2,)}
 
 
 def parse_args() -> argparse.Namespace:
@@ -140,8 +142,8 @@ def main() -> None:
     sweep: dict[str, dict[float, dict]] = {name: {} for name in args.optimizers}
     mixup: dict[str, dict] = {}
     with workspace(args.workdir) as work:
-        data = {"source": "digits", **({"subset": TINY["subset"]} if args.tiny else {})}
-        project = ProjectCopy(work / "project", {"data": data, "model": MODEL, "pretrain": {"img_size": 32}})
+        digits = {"data": {"source": "digits"}, "model": MODEL, "pretrain": {"img_size": 32}}
+        project = project_copy(work, TINY_DIGITS if args.tiny else digits)  # tiny: these, a tenth, shared with scaling
         project.repro("convert")
         for name in args.optimizers:
             for lr_base in args.lr_bases:

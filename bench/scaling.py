@@ -8,7 +8,7 @@ Each layout's figure is its last epoch's `train_img_per_s` (every rank's images 
 (OMP_NUM_THREADS = cores / ranks): on one machine the ranks split the same cores, so the ratio measures what
 data parallelism costs or gains over intra-op threads there, not how it scales across machines.
 
-Run: python bench/scaling.py [--epochs N] [--repeats R] [--workdir DIR] [--json PATH]
+Run: python bench/scaling.py [--epochs N] [--repeats R] [--layouts NAME ...] [--workdir DIR] [--json PATH] [--tiny]
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -24,7 +25,10 @@ from pathlib import Path
 
 import yaml
 
-from _common import ProjectCopy, header_line, markdown_table, workspace, write_json
+from _common import (
+    TINY_DIGITS, ProjectCopy, add_tiny_argument, header_line, markdown_table, project_copy, tiny_sizes, workspace,
+    write_json,
+)
 
 # Layout -> params `launch` (the rendezvous port is filled in per run). The global batch is 64 in each.
 LAYOUTS = {
@@ -32,15 +36,24 @@ LAYOUTS = {
     "1 node x 2 processes": ({"nproc_per_node": 2}, 32),
     "2 nodes x 1 process (c10d)": ({"nnodes": 2, "nproc_per_node": 1}, 32),
 }
+REFERENCE, *MULTI_PROCESS = LAYOUTS
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--epochs", type=int, default=3, help="pretrain epochs per run; the last one is timed")
     parser.add_argument("--repeats", type=int, default=2, help="runs per layout (default: 2)")
+    parser.add_argument("--layouts", nargs="+", choices=MULTI_PROCESS, default=MULTI_PROCESS, metavar="NAME",
+                        help=f"the layouts run beside {REFERENCE} (always run: the ratios' reference), of: "
+                             f"{'; '.join(MULTI_PROCESS)} (default: all)")
     parser.add_argument("--workdir", type=Path, default=None, help="keep the project copy here (default: a temp dir)")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the report and numbers here")
-    return parser.parse_args()
+    add_tiny_argument(parser, f"bench/optimizers.py --tiny's copy (data.subset {TINY_DIGITS['data']['subset']:g}, "
+                              f"model.patch_size {TINY_DIGITS['model']['patch_size']}; reused from the same --workdir), "
+                              "--epochs 1, --repeats 1")
+    args = parser.parse_args()
+    tiny_sizes(parser, args, epochs=1, repeats=1)
+    return args
 
 
 def free_port() -> int:
@@ -53,6 +66,7 @@ def run_layout(project: ProjectCopy, name: str, epochs: int, out: Path) -> dict:
     """The pretrain stage under `name`'s layout (one launcher per node); its last epoch's throughputs."""
     launch, batch_size = LAYOUTS[name]
     launch = {**launch, "rdzv_endpoint": f"127.0.0.1:{free_port()}"}
+    shutil.rmtree(out, ignore_errors=True)  # a kept --workdir's earlier run
     out.mkdir(parents=True)
     params = yaml.safe_load((project.path / "params.yaml").read_text())
     params.update(launch=launch)
@@ -79,10 +93,11 @@ def run_layout(project: ProjectCopy, name: str, epochs: int, out: Path) -> dict:
 
 def main() -> None:
     args = parse_args()
-    names = list(LAYOUTS)
+    names = [REFERENCE, *args.layouts]
     runs: dict[str, list[dict]] = {name: [] for name in names}
     with workspace(args.workdir) as work:
-        project = ProjectCopy(work / "project", {"data": {"source": "digits"}, "pretrain": {"img_size": 32}})
+        digits = {"data": {"source": "digits"}, "pretrain": {"img_size": 32}}
+        project = project_copy(work, TINY_DIGITS if args.tiny else digits)
         project.repro("convert")
         for repeat in range(args.repeats):
             for offset in range(len(names)):
@@ -95,7 +110,8 @@ def main() -> None:
             for name, value in medians.items()]
     text = "\n".join([
         header_line(),
-        f"pretrain stage, digits at 32 px, global batch 64, last of {args.epochs} epochs, median of {args.repeats}",
+        f"pretrain stage, digits{' (--tiny: a tenth, patch 8)' if args.tiny else ''} at 32 px, "
+        f"global batch 64, last of {args.epochs} epochs, median of {args.repeats}",
         "",
         markdown_table(["layout", "img/s (global)", "img/s per rank", "vs 1 process"], rows),
     ])

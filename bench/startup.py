@@ -16,24 +16,22 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from _common import PROJECT_ROOT, ProjectCopy, Repro, goal, header_line, markdown_table, workspace, write_json
+from _common import (
+    COPY_DIR, NEAR_EMPTY, PROJECT_ROOT, ProjectCopy, Repro, add_tiny_argument, goal, header_line, markdown_table,
+    workspace, write_json,
+)
 
 GOAL_SECONDS = 5.0
 # The launched stages (the listing, compare and lineage are plain python and cost well under a second).
 LAUNCHED = ("convert", "teacher", "token_labels", "pretrain", "finetune", "evaluate@pretrain", "evaluate@finetune")
-NEAR_EMPTY = {
-    "data": {"subset": 0.1},
-    **{stage: {"epochs": 1} for stage in ("teacher", "pretrain", "finetune")},
-    "evaluate": {"pretrain": {"extra_sizes": []}, "finetune": {"extra_sizes": []}},
-}
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--before", metavar="REF", help="also time the stages of commit REF, interleaved")
     parser.add_argument("--repeats", type=int, default=3, metavar="N", help="forced reruns per copy (default: 3)")
-    parser.add_argument("--tiny", action="store_true",
-                        help="the test suite's check that the bench runs: one copy, the first run's times only")
+    add_tiny_argument(parser, "one copy, the first run's times only; the copy stays in --workdir for the other "
+                              "pipeline benches' --tiny (caching, ablation; token_targets --project DIR/project)")
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write the raw numbers (every repeat) as JSON")
     parser.add_argument("--workdir", type=Path, metavar="DIR", help="make the project copies here (default: a temp dir)")
     return parser.parse_args()
@@ -83,7 +81,7 @@ def report(timed: dict[str, list[Repro]], args: argparse.Namespace) -> tuple[str
 def main() -> None:
     args = parse_args()
     with workspace(args.workdir) as work, tempfile.TemporaryDirectory(prefix="coarse2fine-before-") as old:
-        copies = {"after": ProjectCopy(work / "after", NEAR_EMPTY)}
+        copies = {"after": ProjectCopy(work / COPY_DIR, NEAR_EMPTY)}  # where the other benches' --tiny find it
         if args.before:
             copies["before"] = ProjectCopy(work / "before", NEAR_EMPTY, source=checkout(args.before, Path(old) / "tree"))
         timed = {name: [project.repro()] for name, project in copies.items()}

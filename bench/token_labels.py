@@ -30,7 +30,9 @@ from pathlib import Path
 
 import torch
 
-from _common import CPU, goal, header_line, interleaved, markdown_table, run_convert, write_json
+from _common import (
+    CPU, add_tiny_argument, goal, header_line, interleaved, markdown_table, run_convert, tiny_sizes, write_json
+)
 from coarse2fine import models
 from coarse2fine.config import parse_model, parse_params
 from coarse2fine.data import records
@@ -41,6 +43,7 @@ GOAL_VS_FORWARD = 0.8
 BARE = "teacher bare forward"
 GENERATION = "generation"
 GENERATION_LOOP = "generation, loop only"
+TINY_SUBSET = 0.1
 
 
 def output_stride(text: str) -> int | None:
@@ -59,7 +62,10 @@ def parse_args() -> argparse.Namespace:
                         help="the teacher's output stride: 8, 16, 32 or none (the model's own; VOLO, ViT) (default: 8)")
     parser.add_argument("--img-size", type=int, default=32, metavar="N", help="the teacher's input size (default: 32)")
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write the raw numbers (every repeat) as JSON")
-    return parser.parse_args()
+    add_tiny_argument(parser, f"a {TINY_SUBSET:g} subset of the digits (data.subset), --repeats 1")
+    args = parser.parse_args()
+    tiny_sizes(parser, args, repeats=1)
+    return args
 
 
 class GenerateCalls:
@@ -149,7 +155,8 @@ def main() -> None:
     view = View("whole", args.img_size, "bicubic")
     with tempfile.TemporaryDirectory(prefix="coarse2fine-bench-") as scratch:
         records_dir = Path(scratch) / "records"
-        run_convert(parse_params({"data": {"source": "digits"}}, "bench"), records_dir)
+        data = {"source": "digits", **({"subset": TINY_SUBSET} if args.tiny else {})}
+        run_convert(parse_params({"data": data}, "bench"), records_dir)
         num_classes = len(records.read_classes(records_dir))
         teacher = models.build_model(teacher_cfg, num_classes=num_classes, img_size=args.img_size).eval()
         head = dense_head(teacher)

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from _common import CPU, header_line, markdown_table, write_json
+from _common import CPU, add_tiny_argument, header_line, markdown_table, tiny_sizes, write_json
 from coarse2fine import models
 from coarse2fine.config import load_params
 from coarse2fine.data import records
@@ -37,6 +37,8 @@ from coarse2fine.data.loaders import IMAGE_MEAN, IMAGE_STD, build_loader
 from coarse2fine.labels import targets
 from coarse2fine.labels.generate import TrainRecords, View, dense_head
 from coarse2fine.losses import mix_token_lam
+
+LOADER_BATCH = 64
 
 
 def parse_args() -> argparse.Namespace:
@@ -46,7 +48,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--top-k", type=int, default=None, metavar="K", help="default: the project's token_labels.top_k")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the report and numbers here")
-    return parser.parse_args()
+    add_tiny_argument(parser, f"--samples {LOADER_BATCH} (one loader batch); --project e.g. the copy bench/startup.py "
+                              "--tiny leaves in its --workdir")
+    args = parser.parse_args()
+    tiny_sizes(parser, args, samples=LOADER_BATCH)
+    return args
 
 
 def reference_maps(logits: torch.Tensor, top_k: int) -> torch.Tensor:
@@ -91,7 +97,7 @@ def main() -> None:
     cfg = params.pretrain
     token_grid = params.model.token_grid(cfg.img_size)
     loader = build_loader(
-        "train", records_dir, img_size=cfg.img_size, batch_size=64, runtime=CPU,
+        "train", records_dir, img_size=cfg.img_size, batch_size=LOADER_BATCH, runtime=CPU,
         loader_cfg=params.loader.model_copy(update={"backend": "torch"}), augment_cfg=params.augment,
         crop_pct=1.0, seed=args.seed,
     )

@@ -29,7 +29,9 @@ from typing import Iterator
 import torch
 import yaml
 
-from _common import CPU, PROJECT_ROOT, CpuTimed, goal, header_line, interleaved, markdown_table, write_json
+from _common import (
+    CPU, PROJECT_ROOT, CpuTimed, add_tiny_argument, goal, header_line, interleaved, markdown_table, tiny_sizes, write_json
+)
 from coarse2fine import losses, models
 from coarse2fine.config import Params, parse_params
 from coarse2fine.data.loaders import IDENTITY_AFFINE, with_target_inputs
@@ -41,6 +43,7 @@ GOAL_VS_BARE = 0.95
 GOAL_TOKEN_LABEL_COST = 0.15
 # The teacher's maps in the bench store: top-5 classes on a 4 x 4 grid (the default teacher's, at 32 px).
 TOP_K, TEACHER_GRID = 5, 4
+TINY_BATCH = 8
 
 
 def parse_args() -> argparse.Namespace:
@@ -52,7 +55,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--patch-size", type=int, metavar="N",
                         help="model.patch_size (default: params.yaml's 4, i.e. 4 x 4 tokens at 32 px; 8 gives 2 x 2)")
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write the raw numbers (every repeat) as JSON")
-    return parser.parse_args()
+    add_tiny_argument(parser, f"--steps 1, --repeats 1, pretrain.batch_size {TINY_BATCH}")
+    args = parser.parse_args()
+    tiny_sizes(parser, args, steps=1, repeats=1)
+    return args
 
 
 def random_batches(params: Params, count: int) -> list[dict[str, torch.Tensor]]:
@@ -239,6 +245,8 @@ def main() -> None:
     raw = yaml.safe_load((PROJECT_ROOT / "params.yaml").read_text())
     if args.patch_size:
         raw["model"]["patch_size"] = args.patch_size
+    if args.tiny:
+        raw["pretrain"]["batch_size"] = TINY_BATCH
     params = parse_params(raw)
     batches = random_batches(params, args.steps)
     with tempfile.TemporaryDirectory(prefix="coarse2fine-bench-") as scratch:

@@ -1,6 +1,10 @@
-"""The benchmarks as users run them: bench/peer.py --tiny and bench/optimizers.py --tiny end to end (a real DVC
-project copy running the real stages, and timm's train.py when a checkout is given), and how a bench stops when a
-stage's output changes shape."""
+"""Every benchmark of bench/ as users run it, in its --tiny mode (the same code path at the smallest sizes, seconds
+to two minutes, no figure asserted): the report's rows, its cells' format and its goal lines' verdicts. Benches
+share what they make through a common --workdir: bench/startup.py --tiny's project copy (a real DVC project
+running the real stages) serves caching, token_targets and ablation; optimizers' digits copy serves scaling;
+loader's photos and records serve loader_profile. peer makes its own, with timm's train.py when a checkout is
+given. Also: how a bench stops when a stage's output changes shape.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 # A timm source checkout (train.py is not in the wheel, and tests download nothing): CI has none.
@@ -31,19 +36,44 @@ def table_rows(report: str) -> dict[str, list[str]]:
 
 
 def goal_lines(report: str) -> list[str]:
-    goals = next(line for line in report.splitlines() if line.startswith("Goals: "))
-    return goals.removeprefix("Goals: ").removesuffix(".").split("; ")
+    """The goals of a report's "Goals: a; b." (or "Goal: a.") line."""
+    goals = next(line for line in report.splitlines() if line.startswith(("Goals: ", "Goal: ")))
+    return goals.split(": ", 1)[1].removesuffix(".").split("; ")
+
+
+def verdicts(report: str) -> list[str]:
+    """Each goal line's verdict: met, MISSED or not checked, then its measure in parentheses."""
+    found = [re.search(r": (met|MISSED|not checked) \(.+\)$", line) for line in goal_lines(report)]
+    assert all(found), goal_lines(report)
+    return [match.group(1) for match in found]
+
+
+def run_bench(name: str, *options: str) -> str:
+    """bench/NAME.py run as a user runs it, from the project root: its report (stdout)."""
+    command = [sys.executable, f"bench/{name}.py", *options]
+    result = subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=1200)
+    assert result.returncode == 0, f"{' '.join(command)} failed:\n{result.stderr[-4000:]}"
+    return result.stdout
+
+
+def assert_cells(rows: list[list[str]], *formats: str) -> None:
+    """Every row's cells after the first match the regular expressions `formats`, column by column."""
+    for row in rows:
+        assert len(row) == len(formats) + 1, row
+        for cell, pattern in zip(row[1:], formats):
+            assert re.fullmatch(pattern, cell), f"{cell!r} is not {pattern!r} in {row}"
+
+
+NUMBER = r"-?\d+(\.\d+)?"
+RATIO = r"\d+\.\d+x"
+RANGE = r"\d+(\.\d+)?-\d+(\.\d+)?"
 
 
 @pytest.fixture(scope="module")
 def peer_report(tmp_path_factory: pytest.TempPathFactory) -> str:
     """bench/peer.py --tiny, run once for the tests below (with timm's rows when C2F_TIMM_REPO is set): its report."""
-    command = [sys.executable, "bench/peer.py", "--tiny", "--workdir", str(tmp_path_factory.mktemp("peer"))]
-    if TIMM_REPO:
-        command += ["--timm-repo", TIMM_REPO]
-    result = subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=1200)
-    assert result.returncode == 0, f"{' '.join(command)} failed:\n{result.stderr[-4000:]}"
-    return result.stdout
+    timm = ["--timm-repo", TIMM_REPO] if TIMM_REPO else []
+    return run_bench("peer", "--tiny", "--workdir", str(tmp_path_factory.mktemp("peer")), *timm)
 
 
 @pytest.mark.slow
@@ -76,7 +106,7 @@ def test_peer_tiny_compares_with_timm_train_py(peer_report: str) -> None:
     ratios = {name: rows[name][1] for name in [*PROJECT_ROWS, *TIMM_ROWS]}
     assert all(re.fullmatch(r"\d+\.\d\dx", ratio) for ratio in ratios.values()), ratios
     assert "1.00x" in (ratios[name] for name in TIMM_ROWS)  # the faster timm: the reference
-    assert all(line.split(": ")[-1].split(" (")[0] in ("met", "MISSED") for line in goal_lines(peer_report))
+    assert set(verdicts(peer_report)) <= {"met", "MISSED"}
 
 
 def first_table(report: str) -> list[list[str]]:
@@ -90,12 +120,15 @@ def first_table(report: str) -> list[list[str]]:
     return rows[2:]
 
 
+@pytest.fixture(scope="module")
+def digits_workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A --workdir for optimizers and scaling: the second reuses the first's project copy (digits, converted)."""
+    return tmp_path_factory.mktemp("digits")
+
+
 @pytest.mark.slow
-def test_optimizers_tiny_reports_each_optimizer_without_and_with_mixup(tmp_path: Path) -> None:
-    command = [sys.executable, "bench/optimizers.py", "--tiny", "--workdir", str(tmp_path)]
-    result = subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=1200)
-    assert result.returncode == 0, f"{' '.join(command)} failed:\n{result.stderr[-4000:]}"
-    rows = first_table(result.stdout)
+def test_optimizers_tiny_reports_each_optimizer_without_and_with_mixup(digits_workdir: Path) -> None:
+    rows = first_table(run_bench("optimizers", "--tiny", "--workdir", str(digits_workdir)))
     assert [row[:3] for row in rows] == [
         [name, mixup, "0.016"] for mixup in ("none", "Mixup 0.2") for name in ("AdamW", "LAMB", "PSGD Kron")
     ]
@@ -120,14 +153,144 @@ def test_a_metric_a_stage_no_longer_writes_stops_the_bench_naming_file_and_key(
         read_column(history, "train_img_per_s", delimiter="\t")
 
 
+@pytest.fixture(scope="module")
+def pipeline_workdir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """bench/startup.py --tiny, run once: its --workdir, holding the near-empty project copy every stage ran in
+    (caching, token_targets and ablation reuse it: one pipeline for the four), and its report."""
+    workdir = tmp_path_factory.mktemp("pipeline")
+    return workdir, run_bench("startup", "--tiny", "--workdir", str(workdir))
+
+
 @pytest.mark.slow
-def test_startup_tiny_times_every_launched_stage(tmp_path: Path) -> None:
-    command = [sys.executable, "bench/startup.py", "--tiny", "--workdir", str(tmp_path)]
-    result = subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=1200)
-    assert result.returncode == 0, f"{' '.join(command)} failed:\n{result.stderr[-4000:]}"
-    rows = first_table(result.stdout)
+def test_startup_tiny_times_every_launched_stage(pipeline_workdir: tuple[Path, str]) -> None:
+    _, report = pipeline_workdir
+    rows = first_table(report)
     assert [row[0] for row in rows] == [
         "convert", "teacher", "token_labels", "pretrain", "finetune", "evaluate@pretrain", "evaluate@finetune",
     ]
-    assert all(float(seconds) > 0 for _, seconds in rows)
-    assert all(line.split(": ")[-1].split(" (")[0] in ("met", "MISSED") for line in goal_lines(result.stdout))
+    assert_cells(rows, NUMBER)
+    assert set(verdicts(report)) <= {"met", "MISSED"}
+
+
+@pytest.mark.slow
+def test_caching_tiny_times_a_no_op_and_a_last_stage_change_in_the_shared_copy(
+    pipeline_workdir: tuple[Path, str],
+) -> None:
+    workdir, _ = pipeline_workdir
+    report = run_bench("caching", "--tiny", "--workdir", str(workdir))
+    rows = first_table(report)
+    assert [row[0] for row in rows] == ["no change", "evaluate.finetune.crop_pct changed"]
+    stage_list = r"[\w@-]+(, [\w@-]+)*"
+    assert_cells(rows, NUMBER, RANGE, stage_list, NUMBER, NUMBER, NUMBER, NUMBER)
+    assert "evaluate@finetune" in rows[1][3].split(", ")  # the change reached its stage
+    assert set(verdicts(report)) <= {"met", "MISSED"}
+
+
+@pytest.mark.slow
+def test_token_targets_tiny_compares_the_targets_in_the_shared_copy(pipeline_workdir: tuple[Path, str]) -> None:
+    workdir, _ = pipeline_workdir
+    rows = first_table(run_bench("token_targets", "--tiny", "--project", str(workdir / "project")))
+    assert [row[0] for row in rows] == [
+        "reference: top-k logits, zero fill", "coarse2fine: top-k log-probs, residual fill",
+        "coarse2fine, class target under MixToken", "every class (no top-k)", "teacher's prediction on the crop",
+    ]
+    number_or_none = rf"{NUMBER}|-"
+    assert_cells(rows, *[number_or_none] * 8)
+
+
+# One row of each kind (ending with the fine-tuned model / the pre-trained one): all five take 3.5 min even tiny.
+# The recipe's is the shared copy's own pipeline, restored from DVC's cache.
+ABLATION_ROWS = ("token labels + MixToken, coarse-to-fine (the recipe)", "token labels + MixToken, direct at 64 px")
+
+
+@pytest.mark.slow
+def test_ablation_tiny_runs_its_rows_as_dvc_experiments_in_the_shared_copy(
+    pipeline_workdir: tuple[Path, str],
+) -> None:
+    workdir, _ = pipeline_workdir
+    rows = first_table(run_bench("ablation", "--tiny", "--workdir", str(workdir), "--rows", *ABLATION_ROWS))
+    assert [row[0] for row in rows] == list(ABLATION_ROWS)
+    assert_cells(rows, NUMBER, NUMBER, NUMBER, NUMBER)
+    assert all(0 <= float(top1) <= 100 for _, top1, *_ in rows)
+
+
+@pytest.fixture(scope="module")
+def photos_workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A --workdir for loader and loader_profile: the second reuses the first's synthetic photos and records."""
+    return tmp_path_factory.mktemp("photos")
+
+
+@pytest.mark.slow
+def test_loader_tiny_times_each_loader(photos_workdir: Path) -> None:
+    report = run_bench("loader", "--tiny", "--workdir", str(photos_workdir))
+    rows = first_table(report)
+    assert [row[0] for row in rows] == ["dali", "torch", "imagefolder", "crop decode only"]
+    assert_cells(rows, NUMBER, RATIO, r"\d+ %", RANGE)
+    assert set(verdicts(report)) <= {"met", "MISSED"}
+
+
+@pytest.mark.slow
+def test_loader_profile_tiny_times_each_step_of_the_dali_graph(photos_workdir: Path) -> None:
+    rows = first_table(run_bench("loader_profile", "--tiny", "--workdir", str(photos_workdir)))
+    assert [row[0] for row in rows] == [
+        "crop decode", "+ resize bicubic, antialiased (the default)", "+ resize bilinear, antialiased",
+        "+ resize bicubic, not antialiased", "+ normalise (the all-DALI train graph)",
+        "project CPU loader (torch resize)",
+    ]
+    assert_cells(rows, NUMBER, RATIO, NUMBER)
+
+
+def test_convert_tiny_times_convert_against_copies(tmp_path: Path) -> None:
+    report = run_bench("convert", "--tiny", "--workdir", str(tmp_path))
+    rows = first_table(report)
+    assert [row[0] for row in rows] == ["convert", "raw copy + fsync", "raw copy"]
+    assert_cells(rows, NUMBER, NUMBER, RATIO, RATIO, RANGE)
+    assert set(verdicts(report)) <= {"met", "MISSED"}
+
+
+@pytest.mark.slow
+def test_train_step_tiny_times_the_trainer_against_a_bare_loop() -> None:
+    report = run_bench("train_step", "--tiny")
+    rows = first_table(report)
+    assert [row[0] for row in rows] == [
+        "bare loop", "Trainer step", "Trainer epoch", "Trainer step + token labels",
+        "Trainer step + token labels + MixToken",
+    ]
+    assert_cells(rows, NUMBER, RATIO, RANGE, NUMBER, RATIO)
+    assert set(verdicts(report)) <= {"met", "MISSED"}
+
+
+@pytest.mark.slow
+def test_token_labels_tiny_times_generation_against_the_bare_forward() -> None:
+    report = run_bench("token_labels", "--tiny")
+    rows = first_table(report)
+    assert [row[0] for row in rows] == [
+        "generation", "generation, loop only", "teacher bare forward", "dense head only",
+    ]
+    assert_cells(rows, NUMBER, RATIO, RANGE)
+    assert set(verdicts(report)) <= {"met", "MISSED"}
+
+
+@pytest.mark.slow
+def test_scaling_tiny_runs_one_process_and_two_agents_at_a_rendezvous(digits_workdir: Path) -> None:
+    # The two-agent layout only beside the reference: every layout is the same call, each costs half a minute here.
+    two_nodes = "2 nodes x 1 process (c10d)"
+    rows = first_table(run_bench("scaling", "--tiny", "--workdir", str(digits_workdir), "--layouts", two_nodes))
+    assert [row[0] for row in rows] == ["1 node x 1 process", two_nodes]
+    assert_cells(rows, NUMBER, NUMBER, NUMBER)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU: the test below runs bench/gpu_step.py --tiny")
+def test_gpu_step_tiny_without_a_gpu_parses_its_options_and_stops_with_one_line() -> None:
+    result = subprocess.run(
+        [sys.executable, "bench/gpu_step.py", "--tiny"], cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 1 and result.stderr.startswith("bench/gpu_step.py: no usable CUDA GPU"), result.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU: bench/gpu_step.py --tiny needs one")
+def test_gpu_step_tiny_times_both_steps_on_the_gpu() -> None:
+    rows = first_table(run_bench("gpu_step", "--tiny"))
+    assert [row[0] for row in rows] == ["ground truth", "token labels + MixToken"]
+    assert_cells(rows, NUMBER, RATIO, RANGE)

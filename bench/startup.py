@@ -55,9 +55,11 @@ def report(timed: dict[str, list[Repro]], args: argparse.Namespace) -> tuple[str
     headers = ["stage", "after: s (median)"] + (["before: s (median)", "after / before"] if before else [])
     rows = []
     for stage in LAUNCHED:
-        row = [stage, f"{median_seconds(after, stage):.2f}"]
+        now = median_seconds(after, stage)
+        row = [stage, f"{now:.2f}"]
         if before:
-            row += [f"{median_seconds(before, stage):.2f}", f"{median_seconds(after, stage) / median_seconds(before, stage):.2f}x"]
+            then = median_seconds(before, stage)
+            row += [f"{then:.2f}", f"{now / then:.2f}x"]
         rows.append(row)
     slowest = max(LAUNCHED, key=lambda stage: median_seconds(after, stage))
     goals = [goal(f"every launched stage with next to no work <= {GOAL_SECONDS:g} s",

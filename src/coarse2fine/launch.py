@@ -20,7 +20,7 @@ It is torchrun (the same argument parser and elastic launch, in this process), p
 - a world of one (one node, one process, no restarts: the default on a laptop or one GPU) runs the stage in this
   process, as `torchrun --standalone --nproc_per_node=1` would run it in a worker: an agent that will never
   restart its only worker adds nothing but a second process and a second import of torch (about 2 s of every
-  stage's start-up, issue 21). The stage sees what a lone torchrun worker sees, a world of one.
+  stage's start-up, issue 21). The stage finds no RANK or WORLD_SIZE set, and `distributed.init` makes a world of one.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def torchrun_options(launch: Launch, job: slurm.Allocation | None = None) -> lis
 def is_world_of_one(args: argparse.Namespace) -> bool:
     """torchrun's arguments start a single worker on this machine that it would never restart: a python script."""
     return (
-        args.standalone and args.nproc_per_node == "1" and args.max_restarts == 0
+        args.standalone and args.nnodes in ("1", "1:1") and args.nproc_per_node == "1" and args.max_restarts == 0
         and not (args.module or args.no_python)
     )
 

@@ -29,8 +29,8 @@ from coarse2fine.data.loaders import eval_transform
 from coarse2fine.errors import UserError
 from coarse2fine.distributed import Runtime
 from coarse2fine.tracking.identity import (
-    DVC_EXPERIMENT_TAG, GIT_COMMIT_TAG, GIT_DIRTY_TAG, PIPELINE_KEY_TAG, PIPELINE_STAGE, REPLACED_BY_TAG, STAGE_TAG,
-    outputs_digest, stage_params, tracking_uri,
+    DVC_EXPERIMENT_TAG, GIT_COMMIT_TAG, GIT_DIRTY_TAG, OUTPUTS_TAG, PIPELINE_KEY_TAG, PIPELINE_STAGE, REPLACED_BY_TAG,
+    STAGE_TAG, outputs_digest, stage_params, tracking_uri,
 )
 from coarse2fine.tracking.lineage import record_lineage
 from coarse2fine.tracking.models import load_logged_model
@@ -466,6 +466,27 @@ def test_a_run_left_running_by_a_kill_ends_killed_when_its_stage_runs_again(work
     assert runs[killed.run_id].data.tags[REPLACED_BY_TAG] == rerun.run_id
     assert runs[other_stage.run_id].info.status == "RUNNING"  # another stage's run is its own stage's business
     assert runs[rerun.run_id].info.status == "FINISHED"
+
+
+def test_a_finished_run_dvc_never_recorded_ends_killed_when_its_stage_runs_again(workdir, store, request):
+    """A kill after a stage's run ended but before DVC wrote dvc.lock: DVC runs the stage again, and the run it
+    never recorded (no dvc.outs tag from the lineage stage) ends KILLED, replaced. A run DVC recorded, rerun by
+    `dvc repro --force`, stays FINISHED."""
+    params = params_for(request)
+
+    def finished(stage: str) -> Tracker:
+        with Tracker(stage, params, cpu_runtime(), metrics_dir=workdir / stage, param_sections=()) as tracker:
+            pass
+        return tracker
+
+    unrecorded, recorded = finished("evaluate@pretrain"), finished("convert")
+    client(store).set_tag(recorded.run_id, OUTPUTS_TAG, "a" * 16)
+    rerun, forced = finished("evaluate@pretrain"), finished("convert")
+    runs = {run_id: client(store).get_run(run_id) for run_id in (unrecorded.run_id, recorded.run_id)}
+    assert runs[unrecorded.run_id].info.status == "KILLED"
+    assert runs[unrecorded.run_id].data.tags[REPLACED_BY_TAG] == rerun.run_id
+    assert runs[recorded.run_id].info.status == "FINISHED" and REPLACED_BY_TAG not in runs[recorded.run_id].data.tags
+    assert {client(store).get_run(run.run_id).info.status for run in (rerun, forced)} == {"FINISHED"}
 
 
 def test_resuming_a_run_missing_from_the_store_starts_a_new_one(workdir, store, request, caplog):

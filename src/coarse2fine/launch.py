@@ -30,6 +30,7 @@ import logging
 import os
 import runpy
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -147,14 +148,14 @@ def _quiet_elastic_agent() -> None:
 
 
 def _user_errors(failure: ChildFailedError, error_dir: Path) -> list[str]:
-    """The distinct user-error messages, if the first worker to fail failed with one (the agent then stops
-    the others: their SIGTERM is a consequence, not a second failure)."""
-    _, first = failure.get_first_failure()
-    if first.exitcode != cli.USER_ERROR_EXIT:
+    """The distinct user-error messages, if a worker stopped on one and every other failed worker was stopped
+    by the agent (SIGTERM: a consequence, not a second failure). Which of them torch calls the first failure
+    is a race (error-file timestamps in whole seconds; a rank stopped mid-exit may have written one first)."""
+    exit_codes = {process.exitcode for process in failure.failures.values()}
+    if cli.USER_ERROR_EXIT not in exit_codes or not exit_codes <= {cli.USER_ERROR_EXIT, -signal.SIGTERM}:
         return []
     messages = [path.read_text(encoding="utf-8") for path in sorted(error_dir.glob("*.txt"))]
     return list(dict.fromkeys(messages))
-
 
 if __name__ == "__main__":
     main()

@@ -6,6 +6,8 @@ token_labels.top_k above the class count."""
 
 from __future__ import annotations
 
+import json
+import signal
 import subprocess
 from pathlib import Path
 from typing import Callable
@@ -14,7 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from coarse2fine import models
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+from coarse2fine import cli, launch, models
 from coarse2fine.config import CustomVolo, TimmModel
 from coarse2fine.labels.store import CLASSES_FILE, write_store
 from conftest import Project
@@ -195,6 +199,26 @@ def test_a_user_mistake_is_one_line_and_exit_2(mistake, digits_records, tmp_path
     assert errors == lines[-1:], result.stderr[-3000:]
     assert all(word in errors[0] for word in words), errors[0]
     assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr
+
+
+@pytest.mark.parametrize("stopped_rank_wrote_first", [False, True])
+def test_a_user_mistake_stays_one_line_whichever_rank_torch_calls_the_first_failure(stopped_rank_wrote_first, tmp_path):
+    """CI's race: rank 1 wrote its error file, then rank 0 exited 2 and the agent stopped rank 1 (SIGTERM) before
+    it exited; torch's first failure (the older error file) was rank 1's -15, and the mistake became a traceback."""
+    error_file = tmp_path / "error.json"
+    error_file.write_text(json.dumps({"message": {"message": "UserError", "extraInfo": {"timestamp": "1"}}}))
+    failures = {
+        0: ProcessFailure(0, 100, cli.USER_ERROR_EXIT, str(tmp_path / "none.json")),
+        1: ProcessFailure(1, 101, -signal.SIGTERM, str(error_file) if stopped_rank_wrote_first else "none.json"),
+    }
+    (tmp_path / "rank0.txt").write_text("teacher.weights: x.pt: not a readable weights file")
+    (tmp_path / "rank1.txt").write_text("teacher.weights: x.pt: not a readable weights file")
+    failure = ChildFailedError("stages/teacher.py", failures)
+    assert failure.get_first_failure()[0] == (1 if stopped_rank_wrote_first else 0)
+    assert launch._user_errors(failure, tmp_path) == ["teacher.weights: x.pt: not a readable weights file"]
+    # A crash beside the mistake keeps torchrun's report.
+    failures[1] = ProcessFailure(1, 101, 1, "none.json")
+    assert launch._user_errors(ChildFailedError("stages/teacher.py", failures), tmp_path) == []
 
 
 def test_a_stage_says_in_one_line_at_start_what_it_runs_on(digits_records, tmp_path):

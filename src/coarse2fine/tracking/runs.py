@@ -27,8 +27,8 @@ from coarse2fine.data import records
 from coarse2fine.distributed import Runtime
 from coarse2fine.files import file_sha256
 from coarse2fine.tracking.identity import (
-    MODEL_EVALUATED_TAG, MODEL_ID_TAG, MODEL_MADE_BY_TAG, MODEL_WRITTEN_TAG, REPLACED_BY_TAG, STAGE_TAG, stage_params,
-    tracking_uri,
+    MODEL_EVALUATED_TAG, MODEL_ID_TAG, MODEL_MADE_BY_TAG, MODEL_WRITTEN_TAG, OUTPUTS_TAG, REPLACED_BY_TAG, STAGE_TAG,
+    stage_params, tracking_uri,
 )
 from coarse2fine.tracking.live import FileOnlyLive
 from coarse2fine.tracking.models import log_model
@@ -152,17 +152,18 @@ class Tracker:
         return run.info.run_id
 
     def _end_killed_runs(self, experiment_id: str, replaced_by: str) -> None:
-        """Runs of this stage in this pipeline run still RUNNING when a new one starts were killed (SIGKILL, a lost
-        node: nothing was left to end them) and will not be resumed (a resumed training run is reopened, not
-        replaced): end them KILLED, naming the new run, so that the UI shows neither a live nor a finished twin."""
-        query = (
-            f"tags.`{MLFLOW_PARENT_RUN_ID}` = '{self.pipeline_run_id}' and tags.`{STAGE_TAG}` = '{self.stage}' "
-            f"and attributes.status = 'RUNNING'"
-        )
-        for killed in self._client.search_runs([experiment_id], query):
-            if killed.info.run_id != replaced_by:
-                self._client.set_tag(killed.info.run_id, REPLACED_BY_TAG, replaced_by)
-                self._client.set_terminated(killed.info.run_id, "KILLED")
+        """Runs of this stage in this pipeline run that DVC never recorded were killed and will not be resumed (a
+        resumed training run is reopened, not replaced): one still RUNNING (SIGKILL, a lost node: nothing was left
+        to end it), or one FINISHED without the `dvc.outs` tag the lineage stage gives what dvc.lock records (the
+        kill came after the stage's run ended but before DVC wrote dvc.lock, so DVC runs the stage again). End them
+        KILLED, naming the new run: the UI shows neither a live nor a finished twin. A finished run DVC recorded
+        stays finished (`dvc repro --force` reran it on purpose)."""
+        query = f"tags.`{MLFLOW_PARENT_RUN_ID}` = '{self.pipeline_run_id}' and tags.`{STAGE_TAG}` = '{self.stage}'"
+        for earlier in self._client.search_runs([experiment_id], query):
+            status, recorded = earlier.info.status, OUTPUTS_TAG in earlier.data.tags
+            if earlier.info.run_id != replaced_by and (status == "RUNNING" or (status == "FINISHED" and not recorded)):
+                self._client.set_tag(earlier.info.run_id, REPLACED_BY_TAG, replaced_by)
+                self._client.set_terminated(earlier.info.run_id, "KILLED")
 
     def _reopen(self, run_id: str, uri: str) -> str | None:
         try:

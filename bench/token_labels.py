@@ -1,9 +1,10 @@
 """Token-label generation throughput (img/s, fp32, CPU): the library's generate() against the teacher's bare
 forward on the same images.
 
-Teacher: the project's default (params.yaml teacher.model: resnet10t, output stride 8, 32 px: a 4 x 4 score map),
-random weights (torch.manual_seed(0)), eval mode. Images: the digits records (the project's default data, 1437
-train records), converted once into a temporary directory. Rows:
+Teacher, settings and images: params.yaml's by default (teacher.model: resnet10t, output stride 8, at teacher.img_size
+64 px: an 8 x 8 score map; token_labels.top_k and batch_size; loader.workers; the default data, data.source photos:
+1080 train records), random weights (torch.manual_seed(0)), eval mode; the records are converted once into a
+temporary directory. Each option overrides one of them. Rows:
 - generation: coarse2fine.labels.generate.generate() as the token_labels stage runs it (whole view, bicubic,
   top-k, batch size, DataLoader workers), into a fresh output and work directory every call: reading and decoding
   the records, resizing, normalising, the dense head, top-k, writing the memory-mapped store, chunk markers, the
@@ -31,10 +32,10 @@ from pathlib import Path
 import torch
 
 from _common import (
-    CPU, add_tiny_argument, goal, header_line, interleaved, markdown_table, run_convert, tiny_sizes, write_json
+    CPU, PROJECT_ROOT, add_tiny_argument, goal, header_line, interleaved, markdown_table, run_convert, tiny_sizes, write_json
 )
 from coarse2fine import models
-from coarse2fine.config import parse_model, parse_params
+from coarse2fine.config import load_params, parse_model
 from coarse2fine.data import records
 from coarse2fine.data.loaders import IMAGE_MEAN, IMAGE_STD
 from coarse2fine.labels.generate import DenseHead, TrainRecords, View, dense_head, generate
@@ -44,6 +45,7 @@ BARE = "teacher bare forward"
 GENERATION = "generation"
 GENERATION_LOOP = "generation, loop only"
 TINY_SUBSET = 0.1
+PARAMS = load_params(PROJECT_ROOT / "params.yaml")  # the defaults of every option
 
 
 def output_stride(text: str) -> int | None:
@@ -52,17 +54,23 @@ def output_stride(text: str) -> int | None:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    teacher = PARAMS.teacher
     parser.add_argument("--repeats", type=int, default=5, metavar="N", help="timed calls per row (default: 5)")
-    parser.add_argument("--batch-size", type=int, default=64, metavar="N", help="token_labels.batch_size (default: 64)")
-    parser.add_argument("--top-k", type=int, default=5, metavar="K", help="token_labels.top_k (default: 5)")
-    parser.add_argument("--workers", type=int, default=2, metavar="N", help="loader.workers (default: 2)")
-    parser.add_argument("--model", default="resnet10t", metavar="NAME",
-                        help="the teacher, any timm model (default: resnet10t)")
-    parser.add_argument("--output-stride", type=output_stride, default=8, metavar="N",
-                        help="the teacher's output stride: 8, 16, 32 or none (the model's own; VOLO, ViT) (default: 8)")
-    parser.add_argument("--img-size", type=int, default=32, metavar="N", help="the teacher's input size (default: 32)")
+    parser.add_argument("--batch-size", type=int, default=PARAMS.token_labels.batch_size, metavar="N",
+                        help="token_labels.batch_size (default: params.yaml's, %(default)s)")
+    parser.add_argument("--top-k", type=int, default=PARAMS.token_labels.top_k, metavar="K",
+                        help="token_labels.top_k (default: params.yaml's, %(default)s)")
+    parser.add_argument("--workers", type=int, default=PARAMS.loader.workers, metavar="N",
+                        help="loader.workers (default: params.yaml's, %(default)s)")
+    parser.add_argument("--model", default=teacher.model.name, metavar="NAME",
+                        help="the teacher, any timm model (default: params.yaml's, %(default)s)")
+    parser.add_argument("--output-stride", type=output_stride, default=teacher.model.output_stride, metavar="N",
+                        help="the teacher's output stride: 8, 16, 32 or none (the model's own; VOLO, ViT) "
+                             "(default: params.yaml's, %(default)s)")
+    parser.add_argument("--img-size", type=int, default=teacher.img_size, metavar="N",
+                        help="the teacher's input size (default: params.yaml's, %(default)s)")
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write the raw numbers (every repeat) as JSON")
-    add_tiny_argument(parser, f"a {TINY_SUBSET:g} subset of the digits (data.subset), --repeats 1")
+    add_tiny_argument(parser, f"a {TINY_SUBSET:g} subset of the data (data.subset), --repeats 1")
     args = parser.parse_args()
     tiny_sizes(parser, args, repeats=1)
     return args
@@ -136,7 +144,7 @@ def report(
             f"Token-label generation, fp32 CPU, {torch.get_num_threads()} threads: teacher {args.model} ({stride}, "
             f"{sum(p.numel() for p in teacher.parameters()) / 1e6:.2f} M parameters, random weights), "
             f"{args.img_size} px whole view, {grid} x {grid} score map, top-{args.top_k}, batch {args.batch_size}, "
-            f"{args.workers} loader workers; {images} digits train records per call, median of {args.repeats} "
+            f"{args.workers} loader workers; {images} {PARAMS.data.source} train records per call, median of {args.repeats} "
             "interleaved calls after a warm-up call.",
             "",
             markdown_table(["variant", "img/s (median)", "x bare forward", "img/s range"], rows),
@@ -155,8 +163,8 @@ def main() -> None:
     view = View("whole", args.img_size, "bicubic")
     with tempfile.TemporaryDirectory(prefix="coarse2fine-bench-") as scratch:
         records_dir = Path(scratch) / "records"
-        data = {"source": "digits", **({"subset": TINY_SUBSET} if args.tiny else {})}
-        run_convert(parse_params({"data": data}, "bench"), records_dir)
+        data = PARAMS.data.model_copy(update={"subset": TINY_SUBSET} if args.tiny else {})
+        run_convert(PARAMS.model_copy(update={"data": data}), records_dir)
         num_classes = len(records.read_classes(records_dir))
         teacher = models.build_model(teacher_cfg, num_classes=num_classes, img_size=args.img_size).eval()
         head = dense_head(teacher)

@@ -344,11 +344,12 @@ class ProjectCopy:
         path = self.path / "params.yaml"
         path.write_text(yaml.safe_dump(merge_params(yaml.safe_load(path.read_text()), change), sort_keys=False))
 
-    def repro(self, *args: str) -> Repro:
-        """`dvc repro ARGS`, timed; stage times come from when each "Running stage" line arrives."""
-        return self.timed_dvc("repro", *args)
+    def repro(self, *args: str, on_stage: Callable[[str], None] = lambda stage: None) -> Repro:
+        """`dvc repro ARGS`, timed; stage times come from when each "Running stage" line arrives, and `on_stage`
+        gets the stage's name then (bench/memory.py attributes its memory samples by it)."""
+        return self.timed_dvc("repro", *args, on_stage=on_stage)
 
-    def timed_dvc(self, *args: str) -> Repro:
+    def timed_dvc(self, *args: str, on_stage: Callable[[str], None] = lambda stage: None) -> Repro:
         """`dvc ARGS` (repro, or exp run), timed as `repro` says."""
         started = time.perf_counter()
         marks: list[tuple[str, float]] = []
@@ -360,6 +361,7 @@ class ProjectCopy:
                 lines.append(line)
                 if match := STAGE_LINE.search(line):
                     marks.append((match.group(1), time.perf_counter()))
+                    on_stage(match.group(1))
         ended = time.perf_counter()
         output = "".join(lines)
         if process.returncode:

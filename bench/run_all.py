@@ -1,5 +1,6 @@
 """Run every benchmark in sequence (never concurrently) and print their reports: loader, loader_profile, convert,
-train_step, caching, startup, token_labels, and peer (timm's train.py) when --timm-repo is given. `make bench` runs this.
+train_step, caching, startup, token_labels, memory, and peer (timm's train.py) when --timm-repo is given.
+`make bench` runs this.
 
 Each benchmark's progress goes to stderr, its report (header line, markdown table, goals) to stdout; with
 --json-dir DIR each also writes DIR/<name>.json. A failing benchmark is reported and the others still run; the
@@ -14,7 +15,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-BENCHMARKS = ("loader", "loader_profile", "convert", "train_step", "caching", "startup", "token_labels")
+BENCHMARKS = ("loader", "loader_profile", "convert", "train_step", "caching", "startup", "token_labels", "memory")
 
 
 def parse_args() -> argparse.Namespace:

@@ -1,7 +1,7 @@
 """Every benchmark of bench/ as users run it, in its --tiny mode (the same code path at the smallest sizes, seconds
 to two minutes, no figure asserted): the report's rows, its cells' format and its goal lines' verdicts. Benches
 share what they make through a common --workdir: bench/startup.py --tiny's project copy (a real DVC project
-running the real stages) serves caching, token_targets and ablation; optimizers' digits copy serves scaling;
+running the real stages) serves caching, token_targets, ablation and memory; optimizers' digits copy serves scaling;
 loader's photos and records serve loader_profile. peer makes its own, with timm's train.py when a checkout is
 given. Also: how a bench stops when a stage's output changes shape.
 """
@@ -156,7 +156,7 @@ def test_a_metric_a_stage_no_longer_writes_stops_the_bench_naming_file_and_key(
 @pytest.fixture(scope="module")
 def pipeline_workdir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     """bench/startup.py --tiny, run once: its --workdir, holding the near-empty project copy every stage ran in
-    (caching, token_targets and ablation reuse it: one pipeline for the four), and its report."""
+    (caching, token_targets, ablation and memory reuse it: one pipeline for the five), and its report."""
     workdir = tmp_path_factory.mktemp("pipeline")
     return workdir, run_bench("startup", "--tiny", "--workdir", str(workdir))
 
@@ -212,6 +212,37 @@ def test_ablation_tiny_runs_its_rows_as_dvc_experiments_in_the_shared_copy(
     assert [row[0] for row in rows] == list(ABLATION_ROWS)
     assert_cells(rows, NUMBER, NUMBER, NUMBER, NUMBER)
     assert all(0 <= float(top1) <= 100 for _, top1, *_ in rows)
+
+
+DEFAULT_STAGES = (
+    "source", "convert", "teacher", "token_labels", "pretrain", "finetune", "evaluate@pretrain", "evaluate@finetune",
+    "compare", "lineage",
+)
+
+
+# 3 min even tiny on 2 cores (4 min when loaded): every stage once more in the shared copy, then 2 x 4 launched
+# stages (convert to pretrain) in the 1x/10x copy.
+@pytest.mark.slow
+def test_memory_tiny_samples_every_stage_pretrain_at_1x_and_10x_the_records_and_the_listing(
+    pipeline_workdir: tuple[Path, str],
+) -> None:
+    workdir, _ = pipeline_workdir
+    report = run_bench("memory", "--tiny", "--workdir", str(workdir))
+    rows = table_rows(report)
+    assert [row[0] for row in first_table(report)] == list(DEFAULT_STAGES)
+    for stage in DEFAULT_STAGES:
+        seconds, summed, largest, processes, samples = rows[stage]
+        assert float(seconds) > 0 and int(samples) > 0 and int(processes) >= 1, (stage, rows[stage])
+        assert int(summed) >= int(largest) > 0, (stage, rows[stage])
+    one, ten = rows["1x"], rows["10x"]
+    assert int(ten[0]) == 10 * int(one[0])  # train images
+    assert float(ten[1]) > float(one[1]) > 0  # the token-label store grew with them
+    for row in (one, ten):
+        assert float(row[2]) > 0 and int(row[3]) >= int(row[4]) > 0 and re.fullmatch(RATIO, row[5]), row
+    for files in ("100", "1000"):
+        folders, seconds = rows[files]
+        assert int(folders) >= 1 and float(seconds) > 0
+    assert verdicts(report) and set(verdicts(report)) <= {"met", "MISSED"}
 
 
 @pytest.fixture(scope="module")

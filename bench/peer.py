@@ -3,7 +3,7 @@
 Data: scikit-learn's digits written once as an ImageFolder (coarse2fine.data.sources.write_digits, PNG, 32 px).
 The pretrain stage reads the project's conversion of that tree (TFRecords; PNGs re-encoded as JPEG, quality 95)
 and runs as users run it, in a fresh project copy (bench/_common.ProjectCopy): a normal `dvc repro token_labels`
-first (untimed: convert, the default teacher at 32 px for --epochs, its token labels), then per run `dvc repro --no-run-cache pretrain`
+first (untimed: convert, the default teacher at 32 px for --epochs, its token labels), then per run `dvc repro --force --single-item pretrain`
 with the stage's outputs and resume state removed, so it trains from scratch. Two rows of the stage:
   - ground truth (pretrain.token_label.enabled false): the like-for-like row against timm's train.py;
   - token labels (the default: the teacher's dense targets and MixToken), what the pipeline runs.
@@ -197,7 +197,8 @@ def run_pretrain(project: ProjectCopy, token_labels: bool) -> dict:
     project.edit_params({"pretrain": {"token_label": {"enabled": token_labels}}})
     for name in (".resume/pretrain", "models/pretrain", "metrics/pretrain"):
         shutil.rmtree(project.path / name, ignore_errors=True)  # no resuming, no earlier run's metrics to read
-    run = project.repro("--no-run-cache", "pretrain")  # else DVC restores a repeat's outputs instead of training
+    # Forced: with params and deps as the last run left them, DVC would check its cached outputs out instead.
+    run = project.repro("--force", "--single-item", "pretrain")
     if "pretrain" not in run.stage_seconds:
         raise SystemExit(f"`dvc repro pretrain` ran no stage named pretrain (ran: {', '.join(run.stage_seconds)})")
     metrics = project.path / "metrics" / "pretrain"

@@ -245,6 +245,8 @@ NEAR_EMPTY = {
     **{stage: {"epochs": 1} for stage in ("teacher", "pretrain", "finetune")},
     "evaluate": {"pretrain": {"extra_sizes": []}, "finetune": {"extra_sizes": []}},
 }
+NEAR_EMPTY_TINY = ("bench/startup.py's near-empty copy (data.subset 0.1, 1 epoch per training stage, no extra "
+                   "evaluation sizes; reused from a --workdir where startup.py --tiny ran)")  # --tiny's help
 # The digits copy of bench/optimizers.py --tiny and bench/scaling.py --tiny (a tenth of the digits at 32 px, the
 # schema's stem stride: 2 x 2 tokens), which runs only convert: one for both in a shared --workdir (project_copy).
 TINY_DIGITS = {"data": {"source": "digits", "subset": 0.1}, "model": {"patch_size": 8}, "pretrain": {"img_size": 32}}

@@ -19,8 +19,8 @@ import statistics
 from pathlib import Path
 
 from _common import (
-    NEAR_EMPTY, Repro, add_tiny_argument, goal, header_line, markdown_table, project_copy, tiny_sizes, workspace,
-    write_json,
+    NEAR_EMPTY, NEAR_EMPTY_TINY, Repro, add_tiny_argument, goal, header_line, markdown_table, project_copy, tiny_sizes,
+    workspace, write_json,
 )
 
 GOAL_NOOP_SECONDS = 3.0
@@ -42,8 +42,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--workdir", type=Path, metavar="DIR",
                         help="make the project copy here, or reuse the one made there with the same params "
                              "(default: a temp dir)")
-    add_tiny_argument(parser, "bench/startup.py's near-empty copy (data.subset 0.1, 1 epoch per training stage, no "
-                              "extra evaluation sizes; reused from a --workdir where startup.py --tiny ran), 1 round")
+    add_tiny_argument(parser, f"{NEAR_EMPTY_TINY}, 1 round")
     args = parser.parse_args()
     tiny_sizes(parser, args, subset=NEAR_EMPTY["data"]["subset"], epochs=1, repeats=1)
     return args

@@ -44,8 +44,8 @@ import psutil
 import yaml
 
 from _common import (
-    NEAR_EMPTY, PROJECT_ROOT, ProjectCopy, Repro, add_tiny_argument, goal, header_line, markdown_table, merge_params,
-    project_copy, read_metric, tiny_sizes, tree_stats, workspace, write_json,
+    NEAR_EMPTY, NEAR_EMPTY_TINY, PROJECT_ROOT, ProjectCopy, Repro, add_tiny_argument, goal, header_line,
+    markdown_table, merge_params, project_copy, read_metric, tiny_sizes, tree_stats, workspace, write_json,
 )
 
 SAMPLE_SECONDS = 0.05
@@ -75,10 +75,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--workdir", type=Path, metavar="DIR",
                         help="make the project copies and trees here; a finished tree there is reused, as is the "
                              "project copy if made with the same params (default: a temp dir)")
-    add_tiny_argument(parser, "bench/startup.py's near-empty copy (data.subset 0.1, 1 epoch per training stage, no "
-                              "extra evaluation sizes; reused from a --workdir where startup.py --tiny ran), 1 "
-                              "pretrain epoch on 1 + 1 photo patches per class (batches of 16) and on 10x as many, "
-                              "trees of 100 and 1000 files, 1 timed listing")
+    add_tiny_argument(parser, f"{NEAR_EMPTY_TINY}, 1 pretrain epoch on 1 + 1 photo patches per class (batches of "
+                              "16) and on 10x as many, trees of 100 and 1000 files, 1 timed listing")
     args = parser.parse_args()
     tiny_sizes(parser, args, epochs=1, files=[100, 1000], repeats=1)
     if len(set(args.files)) < 2:

@@ -157,5 +157,6 @@ def _user_errors(failure: ChildFailedError, error_dir: Path) -> list[str]:
     messages = [path.read_text(encoding="utf-8") for path in sorted(error_dir.glob("*.txt"))]
     return list(dict.fromkeys(messages))
 
+
 if __name__ == "__main__":
     main()

@@ -4,7 +4,8 @@ Data: scikit-learn's digits written once as an ImageFolder (coarse2fine.data.sou
 The pretrain stage reads the project's conversion of that tree (TFRecords; PNGs re-encoded as JPEG, quality 95)
 and runs as users run it, in a fresh project copy (bench/_common.ProjectCopy): a normal `dvc repro token_labels`
 first (untimed: convert, the default teacher at 32 px for --epochs, its token labels), then per run `dvc repro
---force --single-item pretrain` with the stage's outputs and resume state removed, so it trains from scratch. Two rows of the stage:
+--force --single-item pretrain` with the stage's outputs and resume state removed, so it trains from scratch. Two
+rows of the stage:
   - ground truth (pretrain.token_label.enabled false): the like-for-like row against timm's train.py;
   - token labels (the default: the teacher's dense targets and MixToken), what the pipeline runs.
 timm's train.py reads the same tree (train/ and val/ folders) as one plain process (under torchrun on CPU it

@@ -31,7 +31,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--before", metavar="REF", help="also time the stages of commit REF, interleaved")
     parser.add_argument("--repeats", type=int, default=3, metavar="N", help="forced reruns per copy (default: 3)")
     add_tiny_argument(parser, "one copy, the first run's times only; the copy stays in --workdir for the other "
-                              "pipeline benches' --tiny (caching, ablation, memory; token_targets --project DIR/project)")
+                              "pipeline benches' --tiny (caching, ablation, memory; token_targets --project "
+                              "DIR/project)")
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write the raw numbers (every repeat) as JSON")
     parser.add_argument("--workdir", type=Path, metavar="DIR", help="make the project copies here (default: a temp dir)")
     return parser.parse_args()

@@ -32,7 +32,8 @@ from pathlib import Path
 import torch
 
 from _common import (
-    CPU, PROJECT_ROOT, add_tiny_argument, goal, header_line, interleaved, markdown_table, run_convert, tiny_sizes, write_json
+    CPU, PROJECT_ROOT, add_tiny_argument, goal, header_line, interleaved, markdown_table, run_convert, tiny_sizes,
+    write_json,
 )
 from coarse2fine import models
 from coarse2fine.config import load_params, parse_model
@@ -144,8 +145,8 @@ def report(
             f"Token-label generation, fp32 CPU, {torch.get_num_threads()} threads: teacher {args.model} ({stride}, "
             f"{sum(p.numel() for p in teacher.parameters()) / 1e6:.2f} M parameters, random weights), "
             f"{args.img_size} px whole view, {grid} x {grid} score map, top-{args.top_k}, batch {args.batch_size}, "
-            f"{args.workers} loader workers; {images} {PARAMS.data.source} train records per call, median of {args.repeats} "
-            "interleaved calls after a warm-up call.",
+            f"{args.workers} loader workers; {images} {PARAMS.data.source} train records per call, median of "
+            f"{args.repeats} interleaved calls after a warm-up call.",
             "",
             markdown_table(["variant", "img/s (median)", "x bare forward", "img/s range"], rows),
             "",

@@ -26,6 +26,7 @@ SMALL = {
     "teacher": {"epochs": 1},
     "pretrain": {"epochs": 2, "token_label": {"enabled": False}},
     "finetune": {"token_label": {"enabled": False}},
+    "tracking": {"log_models": False},  # the models are compared as files (torch.export would add 3-5 s a stage)
 }
 
 

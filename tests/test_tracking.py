@@ -362,6 +362,20 @@ def test_a_model_torch_export_refuses_is_one_warning_and_the_run_goes_on(workdir
     assert "curves.png" in {item.path for item in client(store).list_artifacts(tracker.run_id)}  # MLflow stayed on
 
 
+def test_with_log_models_off_a_training_run_logs_no_model_and_lineage_registers_none(workdir, store, request):
+    name = request.node.name
+    params = make_params(tracking={"experiment": name, "registered_model": name, "log_models": False})
+    model = models.build_model(params.model, 10, 16)
+    with Tracker("finetune", params, cpu_runtime(), metrics_dir=workdir / "m", param_sections=("model",)) as tracker:
+        tracker.log_model(model, {"img_size": 16, "classes": list("0123456789")})
+        tracker.log_metrics({"val_top1": 50.0}, step=0)
+    run = client(store).get_run(tracker.run_id)
+    assert run.info.status == "FINISHED" and "model.id" not in run.data.tags
+    assert client(store).search_logged_models([run.info.experiment_id]) == []
+    assert record_lineage(params, lock_with({"finetune": "e" * 32})) == []  # its outputs recorded, nothing registered
+    assert client(store).search_registered_models(f"name = '{name}'") == []
+
+
 def test_lineage_without_a_usable_store_is_one_warning(workdir, request, monkeypatch, caplog):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "bogus://nowhere")
     assert record_lineage(params_for(request), lock_with({"teacher": "a" * 32})) is None

@@ -578,6 +578,9 @@ class Tracking(Section):
     # The MLflow registry entry of the pipeline's result (the fine-tuned model) and the alias moved to each new one.
     registered_model: str = Field("coarse2fine", min_length=1)
     model_alias: str = Field("current", pattern=r"^[A-Za-z_][A-Za-z0-9_-]*$")
+    # Each training stage logs its model as an MLflow model (torch.export: 3-5 s a stage on a CPU) and lineage
+    # registers the result; off, models/ holds the only copies (quick sweeps). Changes no output: no stage lists it.
+    log_models: bool = True
 
     @field_validator("model_alias")
     @classmethod

@@ -267,8 +267,8 @@ class Tracker:
 
     def log_model(self, model: nn.Module, card: Mapping[str, Any]) -> None:
         """The trained model as an MLflow model of this run (`models.log_model`), tagged as MODEL_ID_TAG;
-        `lineage.record_lineage` registers the pipeline's result."""
-        if not self.enabled or self._client is None:
+        `lineage.record_lineage` registers the pipeline's result. Nothing with `tracking.log_models` off."""
+        if not self.enabled or self._client is None or not self.params.tracking.log_models:
             return
         model_id = log_model(self.run_id, self.stage, model, card)
         self._mlflow("update_run", self.run_id, status="RUNNING")  # log_model's run context ended it; __exit__ decides

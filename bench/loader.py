@@ -4,7 +4,8 @@ against the DALI loader's crop decoding alone.
 The records are the library's own conversion of an ImageFolder tree (synthetic photo-like 500x375 JPEGs unless
 --imagefolder names a real tree). Every loader row applies the same train augment: random-resized-crop (the
 project's default scale, ratio and bicubic resize) -> 224 x 224 -> horizontal flip (p 0.5) -> [RandAugment] ->
-normalise, with the same number of threads/workers and batch size. Rows:
+normalise [-> random erasing], with the same number of threads/workers and batch size (the recipe's augment:
+--rand-augment rand-m9-mstd0.5-inc1 --reprob 0.25, as timm's create_transform builds it). Rows:
 - dali: build_loader(backend="dali") as it runs without a GPU: DALI decodes the crop, torch finishes the batch
   (see dali_pipeline.HostFinish; bench/loader_profile.py shows why);
 - torch: build_loader(backend="torch"), the DataLoader fallback over the same records;
@@ -38,6 +39,7 @@ from _common import (
     write_json,
 )
 from nvidia.dali import Pipeline
+from timm.data.random_erasing import RandomErasing
 from torch.utils.data import DataLoader
 from torchvision import datasets
 from torchvision import transforms as T
@@ -70,6 +72,10 @@ def parse_args() -> argparse.Namespace:
         "--rand-augment", default="", metavar="SPEC", help="add RandAugment to the loaders, e.g. rand-m9-mstd0.5-inc1"
     )
     parser.add_argument(
+        "--reprob", type=float, default=0.0, metavar="P",
+        help="add random erasing (pixel mode) with probability P to the loaders; the recipe's is 0.25 (default: 0)",
+    )
+    parser.add_argument(
         "--interpolation",
         choices=["bicubic", "bilinear"],
         default="bicubic",
@@ -91,7 +97,10 @@ class ProjectLoader:
         self.params = parse_params(
             {
                 "loader": {"backend": backend, "workers": args.workers},
-                "augment": {"hflip": 0.5, "rand_augment": args.rand_augment, "interpolation": args.interpolation},
+                "augment": {
+                    "hflip": 0.5, "rand_augment": args.rand_augment, "reprob": args.reprob,
+                    "interpolation": args.interpolation,
+                },
             }
         )
         self.loader = build_loader(
@@ -130,6 +139,8 @@ class ImageFolderLoader:
         if args.rand_augment:
             steps.append(timm_rand_augment(augment.rand_augment_spec))
         steps += [T.ToTensor(), T.Normalize(IMAGE_MEAN, IMAGE_STD)]
+        if augment.reprob:  # as timm's create_transform adds it, after normalising
+            steps.append(RandomErasing(augment.reprob, mode="pixel", device="cpu"))
         self.loader = DataLoader(
             datasets.ImageFolder(str(root / "train"), transform=T.Compose(steps)),
             batch_size=BATCH_SIZE,
@@ -200,6 +211,7 @@ def report(rates: dict[str, list[float]], images: int, args: argparse.Namespace)
         f"random-resized-crop ({args.interpolation}) + flip"
         + (f" + {args.rand_augment}" if args.rand_augment else "")
         + " + normalise"
+        + (f" + random erasing {args.reprob}" if args.reprob else "")
     )
     text = "\n".join(
         [

@@ -1,6 +1,6 @@
-"""Run every benchmark in sequence (never concurrently) and print their reports: loader, loader_profile, convert,
-train_step, caching, startup, token_labels, memory, and peer (timm's train.py) when --timm-repo is given.
-`make bench` runs this.
+"""Run every benchmark in sequence (never concurrently) and print their reports: loader (plain, then with the
+recipe's RandAugment and random erasing: loader_recipe), loader_profile, rand_augment, convert, train_step, caching,
+startup, token_labels, memory, and peer (timm's train.py) when --timm-repo is given. `make bench` runs this.
 
 Each benchmark's progress goes to stderr, its report (header line, markdown table, goals) to stdout; with
 --json-dir DIR each also writes DIR/<name>.json. A failing benchmark is reported and the others still run; the
@@ -15,7 +15,12 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-BENCHMARKS = ("loader", "loader_profile", "convert", "train_step", "caching", "startup", "token_labels", "memory")
+BENCHMARKS = (
+    "loader", "loader_recipe", "loader_profile", "rand_augment", "convert", "train_step", "caching", "startup",
+    "token_labels", "memory",
+)
+# name -> (script, its options): the recipe's train augment (sail-sg/volo: --aa rand-m9-mstd0.5-inc1 --reprob 0.25).
+SCRIPTS = {"loader_recipe": ("loader", ["--rand-augment", "rand-m9-mstd0.5-inc1", "--reprob", "0.25"])}
 
 
 def parse_args() -> argparse.Namespace:
@@ -30,19 +35,19 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    runs = {name: [] for name in BENCHMARKS}
+    runs = {name: SCRIPTS.get(name, (name, [])) for name in BENCHMARKS}
     if args.timm_repo is not None:
-        runs["peer"] = ["--timm-repo", str(args.timm_repo)]
+        runs["peer"] = ("peer", ["--timm-repo", str(args.timm_repo)])
     if args.only:
         runs = {name: options for name, options in runs.items() if name in args.only}
     if args.json_dir is not None:
         args.json_dir.mkdir(parents=True, exist_ok=True)
     failed = []
-    for name, options in runs.items():
+    for name, (script, options) in runs.items():
         if args.json_dir is not None:
             options = [*options, "--json", str(args.json_dir / f"{name}.json")]
         print(f"## {name}\n", flush=True)
-        if subprocess.run([sys.executable, str(HERE / f"{name}.py"), *options], cwd=HERE).returncode:
+        if subprocess.run([sys.executable, str(HERE / f"{script}.py"), *options], cwd=HERE).returncode:
             failed.append(name)
             print(f"{name}: FAILED (see its stderr above)")
         print(flush=True)

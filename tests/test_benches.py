@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from coarse2fine.data.loaders import RAND_AUGMENT_OPS
+
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 # A timm source checkout (train.py is not in the wheel, and tests download nothing): CI has none.
 TIMM_REPO = os.environ.get("C2F_TIMM_REPO")
@@ -252,12 +254,15 @@ def photos_workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.slow
-def test_loader_tiny_times_each_loader(photos_workdir: Path) -> None:
-    report = run_bench("loader", "--tiny", "--workdir", str(photos_workdir))
+@pytest.mark.parametrize("augment", [[], ["--rand-augment", "rand-m9-mstd0.5-inc1", "--reprob", "0.25"]],
+                         ids=["plain", "the recipe's"])
+def test_loader_tiny_times_each_loader(augment: list[str], photos_workdir: Path) -> None:
+    report = run_bench("loader", "--tiny", "--workdir", str(photos_workdir), *augment)
     rows = first_table(report)
     assert [row[0] for row in rows] == ["dali", "torch", "imagefolder", "crop decode only"]
     assert_cells(rows, NUMBER, RATIO, r"\d+ %", RANGE)
     assert set(verdicts(report)) <= {"met", "MISSED"}
+    assert ("rand-m9-mstd0.5-inc1 + normalise + random erasing 0.25;" in report) == bool(augment)
 
 
 @pytest.mark.slow
@@ -269,6 +274,13 @@ def test_loader_profile_tiny_times_each_step_of_the_dali_graph(photos_workdir: P
         "project CPU loader (torch resize)",
     ]
     assert_cells(rows, NUMBER, RATIO, NUMBER)
+
+
+@pytest.mark.slow
+def test_rand_augment_tiny_times_each_op_both_ways() -> None:
+    rows = first_table(run_bench("rand_augment", "--tiny"))
+    assert [row[0] for row in rows] == [*RAND_AUGMENT_OPS, "the whole policy"]
+    assert_cells(rows, NUMBER, NUMBER, RATIO)
 
 
 def test_convert_tiny_times_convert_against_copies(tmp_path: Path) -> None:

@@ -205,20 +205,27 @@ def unchanged(image, geometry, **op_kwargs):
     return image, geometry
 
 
-def rand_augment_with_geometry(image, spec: RandAugmentSpec, shape):
-    """timm's RandAugment over loaders.RAND_AUGMENT_OPS on `image` (its size (h, w) in `shape`) -> (image, the
-    forward pixel map its geometric ops composed to). DALI's apply_rand_augment cannot return that map, so the
-    selection is done here with DALI's own `select`, carrying (image, map) through every op."""
+def rand_augment_ops(spec: RandAugmentSpec) -> dict:
+    """loaders.RAND_AUGMENT_OPS as DALI ops (name -> op), each `op(image, geometry, magnitude_bin=...,
+    num_magnitude_bins=..., shape=...) -> (image, geometry)`, the geometry composed with its pixel map."""
     if spec.increasing:
         suite = rand_augment.get_rand_augment_suite()
     else:
         suite = rand_augment.get_rand_augment_non_monotonic_suite()
     # invert and solarize_add are in timm's set but not in DALI's default suite; DALI provides both ops.
     colour = {op.name: op for op in [*suite, augmentations.invert, augmentations.solarize_add]}
-    ops = [
-        geometric_op(GEOMETRIC_AUGMENTATIONS[name]) if name in GEOMETRIC_AUGMENTATIONS else colour_op(colour[name])
+    return {
+        name: geometric_op(GEOMETRIC_AUGMENTATIONS[name]) if name in GEOMETRIC_AUGMENTATIONS
+        else colour_op(colour[name])
         for name in RAND_AUGMENT_OPS
-    ]
+    }
+
+
+def rand_augment_with_geometry(image, spec: RandAugmentSpec, shape):
+    """timm's RandAugment over loaders.RAND_AUGMENT_OPS on `image` (its size (h, w) in `shape`) -> (image, the
+    forward pixel map its geometric ops composed to). DALI's apply_rand_augment cannot return that map, so the
+    selection is done here with DALI's own `select`, carrying (image, map) through every op."""
+    ops = list(rand_augment_ops(spec).values())
     # timm applies each drawn op with probability 0.5: the last entry, unchanged, is drawn as often as all ops.
     choices = list(range(len(ops))) + [len(ops)] * len(ops)
     ops.append(unchanged)

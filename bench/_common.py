@@ -18,6 +18,7 @@ import platform
 import re
 import shlex
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -162,6 +163,10 @@ class CpuTimed:
         items = self.run()
         self.rates.append(items / (time.process_time() - started))
         return items
+
+    def cpu_ms_per_item(self) -> float:
+        """CPU milliseconds per item, median of the timed calls (the warm-up left out)."""
+        return 1000 / statistics.median(self.rates[1:])
 
 
 def cpu_model() -> str:

@@ -45,7 +45,8 @@ def parse_args() -> argparse.Namespace:
                                      "same --workdir), 1 repeat")
     args = parser.parse_args()
     common.tiny_sizes(parser, args, images=TINY_IMAGES, repeats=1)
-    args.workers, args.rand_augment, args.interpolation = args.threads, "", "bicubic"  # for loader.ProjectLoader
+    # for loader.ProjectLoader: the plain augment
+    args.workers, args.rand_augment, args.reprob, args.interpolation = args.threads, "", 0.0, "bicubic"
     return args
 
 
@@ -101,7 +102,7 @@ def main() -> None:
         variants["project CPU loader (torch resize)"] = common.CpuTimed(project_loader)
         rates = common.interleaved(variants, args.repeats)
     medians = {name: statistics.median(values) for name, values in rates.items()}
-    cpu_ms = {name: 1000 / statistics.median(variant.rates[1:]) for name, variant in variants.items()}
+    cpu_ms = {name: variant.cpu_ms_per_item() for name, variant in variants.items()}
     rows = [
         [name, f"{medians[name]:.0f}", f"{medians[name] / medians[ALL_DALI]:.2f}x", f"{cpu_ms[name]:.2f}"]
         for name in variants

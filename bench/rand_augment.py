@@ -15,7 +15,6 @@ resize (on 500x375 photos at augment.scale's default (0.35, 1), a crop holds 68 
 from __future__ import annotations
 
 import argparse
-import statistics
 from pathlib import Path
 
 import _common as common
@@ -107,7 +106,7 @@ def main() -> None:
         variants[f"dali {name}"] = common.CpuTimed(DaliEpoch(arrays, spec, op))
         variants[f"timm {name}"] = common.CpuTimed(TimmEpoch(pil_images, timm_ops.get(name, timm_policy)))
     rates = common.interleaved(variants, args.repeats)
-    cpu_ms = {name: 1000 / statistics.median(variant.rates[1:]) for name, variant in variants.items()}
+    cpu_ms = {name: variant.cpu_ms_per_item() for name, variant in variants.items()}
     rows = []
     for name in [*rand_augment_ops(spec), POLICY]:
         dali, timm = cpu_ms[f"dali {name}"], cpu_ms[f"timm {name}"]

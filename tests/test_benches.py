@@ -331,6 +331,16 @@ def test_gpu_step_tiny_without_a_gpu_parses_its_options_and_stops_with_one_line(
     assert result.returncode == 1 and result.stderr.startswith("bench/gpu_step.py: no usable CUDA GPU"), result.stderr
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU: bench/timm_gpu_step.py would time real steps")
+def test_timm_gpu_step_without_a_gpu_stops_with_one_line() -> None:
+    result = subprocess.run(
+        [sys.executable, "bench/timm_gpu_step.py"], cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 1 and result.stderr.startswith("bench/timm_gpu_step.py: no usable CUDA GPU"), (
+        result.stderr
+    )
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU: bench/gpu_step.py --tiny needs one")
 def test_gpu_step_tiny_times_both_steps_on_the_gpu() -> None:

@@ -95,20 +95,21 @@ def main() -> None:
               for seed in range(min(args.images, BATCH_SIZE))]
     pil_images = [photos[index % len(photos)] for index in range(args.images)]
     arrays = [np.asarray(image, dtype=np.uint8) for image in pil_images]
+    dali_ops = rand_augment_ops(spec)
     timm_policy = timm_rand_augment(spec)
     timm_ops = {}
-    for name, timm_op in zip(rand_augment_ops(spec), timm_policy.ops):
+    for name, timm_op in zip(dali_ops, timm_policy.ops):
         assert timm_op.name.removesuffix("Increasing") == TIMM_OPS[name], (name, timm_op.name)
         timm_op.prob = 1.0  # every op applied, at the spec's magnitude (its mstd noise kept)
         timm_ops[name] = timm_op
     variants = {}
-    for name, op in [*rand_augment_ops(spec).items(), (POLICY, None)]:
+    for name, op in [*dali_ops.items(), (POLICY, None)]:
         variants[f"dali {name}"] = common.CpuTimed(DaliEpoch(arrays, spec, op))
         variants[f"timm {name}"] = common.CpuTimed(TimmEpoch(pil_images, timm_ops.get(name, timm_policy)))
     rates = common.interleaved(variants, args.repeats)
     cpu_ms = {name: variant.cpu_ms_per_item() for name, variant in variants.items()}
     rows = []
-    for name in [*rand_augment_ops(spec), POLICY]:
+    for name in [*dali_ops, POLICY]:
         dali, timm = cpu_ms[f"dali {name}"], cpu_ms[f"timm {name}"]
         rows.append([name, f"{dali:.3f}", f"{timm:.3f}", f"{dali / timm:.2f}x"])
     text = "\n".join([

@@ -65,7 +65,6 @@ from coarse2fine.errors import UserError
 from coarse2fine.evaluate import evaluate
 from coarse2fine.progress import progress
 from coarse2fine.tracking.identity import stage_params
-from coarse2fine.tracking.runs import Tracker
 
 CHECKPOINT_FILE = "last.pt"
 PROGRESS_EVERY = 10  # steps between updates of the progress bar's loss, and checks of a non-finite loss
@@ -242,10 +241,9 @@ class Trainer:
         self.parallel = parallel.build(params.parallel, runtime, self.autocast_dtype)
         self.model = runtime.place(model)
         self.parallel.shard(self.model)
-        train_forward = models.TrainForward(self.model)
-        if cfg.compile:  # the training forward only (validation and the saved model stay the eager module)
-            train_forward = torch.compile(train_forward)
-        self.train_forward = self.parallel.wrap(train_forward)
+        # Only the training forward is compiled (models.compiled_for_training).
+        trained = models.compiled_for_training(self.model) if cfg.compile else self.model
+        self.train_forward = self.parallel.wrap(models.TrainForward(trained))
 
         self.data_ranks = self.parallel.dims.data  # the ranks reading distinct batches
         self.global_batch = cfg.global_batch(self.data_ranks)
@@ -280,6 +278,10 @@ class Trainer:
 
     def fit(self) -> dict[str, float]:
         """Train the remaining epochs; write the final model file and metrics; return the last epoch's metrics."""
+        # Imported here, not at the top: the Trainer's steps run without MLflow and DVCLive (bench/gpu_step.py on a
+        # GPU node that has only torch and timm).
+        from coarse2fine.tracking.runs import Tracker
+
         self.load_checkpoint()
         with Tracker(
             self.stage, self.params, self.runtime, metrics_dir=self.metrics_dir, param_sections=self.param_sections,

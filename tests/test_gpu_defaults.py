@@ -4,12 +4,15 @@ a GPU), `train.compile` on the training forward, and throughput timed with the d
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import ListLoader, cpu_runtime, make_params
+from timm.models.volo import VOLO
 from torch._dynamo.eval_frame import OptimizedModule
+from torch._dynamo.testing import CompileCounter
 
 from coarse2fine import config, models, train
 from coarse2fine.distributed import Runtime
@@ -64,13 +67,44 @@ def test_the_trainer_fuses_the_optimizer_on_a_gpu_only(tmp_path):
     assert ground_truth_trainer(tmp_path).optimizer.defaults.get("fused") is None
 
 
-def test_compile_wraps_the_training_forward_and_leaves_the_saved_model_eager(tmp_path):
+def test_compile_compiles_a_volos_stages_for_training_and_leaves_the_model_eager(tmp_path):
     eager = ground_truth_trainer(tmp_path / "eager")
     compiled = ground_truth_trainer(tmp_path / "compiled", compile=True)
-    assert not isinstance(eager.train_forward, OptimizedModule)
-    assert isinstance(compiled.train_forward, OptimizedModule)
-    assert isinstance(compiled.train_forward._orig_mod, models.TrainForward)
-    assert compiled.eval_model is compiled.model and not isinstance(compiled.model, OptimizedModule)
+    assert eager.train_forward.model is eager.model
+    trained = compiled.train_forward.model
+    assert isinstance(trained, VOLO) and trained is not compiled.model
+    stages = [trained.patch_embed, *trained.network, *trained.post_network]
+    assert len(stages) > 3 and all(isinstance(stage, OptimizedModule) for stage in stages)
+    assert [id(parameter) for parameter in trained.parameters()] == [id(p) for p in compiled.model.parameters()]
+    assert not any(isinstance(module, OptimizedModule) for module in compiled.model.modules())
+    assert compiled.eval_model is compiled.model
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """dynamo caches compiled frames per code object: the stages' (nn.Sequential's) must not carry over."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def test_mix_token_boxes_compile_once(monkeypatch, fresh_dynamo):
+    """MixToken's box (drawn with `.item()`, then slicing the token grid) stays out of the compiled stages: new
+    boxes compile nothing more. A whole-model compile recompiled at each new box shape (a frame per step here)."""
+    counter = CompileCounter()
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=counter))
+    params = make_params(model={"embed_dims": [16, 32, 32, 32], "num_heads": [1, 2, 2, 2]})
+    torch.manual_seed(0)
+    model = models.build_model(params.model, NUM_CLASSES, 32, mix_token=True)
+    train_forward = models.TrainForward(models.compiled_for_training(model)).train()
+    boxes, frames = set(), []
+    for seed in range(6):
+        output = train_forward(batch(seed)["image"])
+        (output.cls_logits.sum() + output.aux_logits.sum()).backward()
+        boxes.add(output.mix_box)
+        frames.append(counter.frame_count)
+    assert len(boxes) >= 3, boxes
+    assert frames[0] > 0 and frames == frames[:1] * len(frames), frames
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ file one documented format.
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Sequence
@@ -203,6 +204,27 @@ class TrainForward(nn.Module):
         cls_features, aux_logits, box = self.model.forward_train(images)
         cls_logits = self.model.head(self.model.head_drop(cls_features))
         return TrainOutput(cls_logits, aux_logits, tuple(int(edge) for edge in box))
+
+
+def compiled_for_training(model: nn.Module) -> nn.Module:
+    """What `train.compile` runs the training forward on: `model` through torch.compile, sharing its parameters
+    (validation, the EMA and the saved model keep the eager `model`).
+
+    A VOLO is compiled stage by stage (the stem, each stage of `network`, each class-attention block), with
+    MixToken between them left eager: its box comes from `.item()` and slices the token grid, so a whole-model
+    compile broke the graph there and recompiled for every new box shape, 16-24 s each on the CPU, up to dynamo's
+    recompile limit, after which the rest of the network ran eagerly (seen on an H100 and on the CPU, 2026-11-26).
+    The compiled stages see the same shapes at every step and compile once each, as torchtitan compiles per block.
+    """
+    if not isinstance(model, VOLO):
+        return torch.compile(model)
+    view = copy.copy(model)  # the same parameters and buffers, with a children table of its own
+    view._modules = dict(model._modules)
+    view.patch_embed = torch.compile(model.patch_embed)
+    view.network = nn.ModuleList(torch.compile(stage) for stage in model.network)
+    if model.post_network is not None:
+        view.post_network = nn.ModuleList(torch.compile(block) for block in model.post_network)
+    return view
 
 
 MODEL_FILE_KEYS = ("model", "model_cfg", "img_size", "classes", "stage")

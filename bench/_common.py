@@ -36,6 +36,7 @@ from PIL import Image, ImageDraw, ImageFilter
 from coarse2fine.config import Params, parse_params
 from coarse2fine.data import records
 from coarse2fine.data.convert import convert
+from coarse2fine.data.sources import write_digits
 from coarse2fine.distributed import Runtime
 
 PHOTO_SIZE = (500, 375)  # width, height: a typical ImageNet / Pascal VOC photo
@@ -100,6 +101,22 @@ def workspace(workdir: Path | None) -> Iterator[Path]:
         return
     with tempfile.TemporaryDirectory(prefix="coarse2fine-bench-") as temporary:
         yield Path(temporary)
+
+
+def digits_tree(work: Path, params: Params, keep_per_class: dict[str, int] | None = None) -> Path:
+    """scikit-learn's digits as an ImageFolder under `work` (PNG, params.data.digits' size; reused if a kept
+    --workdir has it); `keep_per_class` (split -> n) keeps each class folder's first n images."""
+    tree = work / ("digits-subset" if keep_per_class else "digits")
+    if tree.is_dir():
+        return tree
+    partial = tree.with_name(f"{tree.name}.partial")  # renamed when complete: an interrupted write is not reused
+    shutil.rmtree(partial, ignore_errors=True)
+    write_digits(partial, params.data.digits, params.seed)
+    for split, keep in (keep_per_class or {}).items():
+        for folder in (partial / split).iterdir():
+            for image in sorted(folder.iterdir())[keep:]:
+                image.unlink()
+    return partial.rename(tree)
 
 
 def imagefolder_params(root: Path, convert_workers: int = 2) -> Params:

@@ -1,5 +1,5 @@
-"""Training-loader throughput (img/s at 224 px): the coarse2fine loaders against a plain ImageFolder loader and
-against the DALI loader's crop decoding alone.
+"""Training-loader throughput (img/s at 224 px or --img-size): the coarse2fine loaders against a plain ImageFolder
+loader and against the DALI loader's crop decoding alone.
 
 The records are the library's own conversion of an ImageFolder tree (synthetic photo-like 500x375 JPEGs unless
 --imagefolder names a real tree). Every loader row applies the same train augment: random-resized-crop (the
@@ -50,7 +50,7 @@ from coarse2fine.data.dali_pipeline import train_pipeline
 from coarse2fine.data.loaders import IMAGE_MEAN, IMAGE_STD, build_loader, derive_seed
 from coarse2fine.data.torch_pipeline import timm_rand_augment
 
-IMG_SIZE = 224
+IMG_SIZE = 224  # the default --img-size
 BATCH_SIZE = 64
 SEED = 0
 CROP_DECODE = "crop decode only"
@@ -58,6 +58,12 @@ CROP_DECODE = "crop decode only"
 GOAL_VS_FOLDER = 1.5
 GOAL_OF_DECODE = 0.8
 TINY_IMAGES = BATCH_SIZE
+
+
+def add_img_size_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--img-size", type=int, default=IMG_SIZE, metavar="PX", help=f"the loaders' output side (default: {IMG_SIZE})"
+    )
 
 
 def parse_args() -> argparse.Namespace:
@@ -75,6 +81,7 @@ def parse_args() -> argparse.Namespace:
         "--reprob", type=float, default=0.0, metavar="P",
         help="add random erasing (pixel mode) with probability P to the loaders; the recipe's is 0.25 (default: 0)",
     )
+    add_img_size_argument(parser)
     parser.add_argument(
         "--interpolation",
         choices=["bicubic", "bilinear"],
@@ -103,10 +110,11 @@ class ProjectLoader:
                 },
             }
         )
+        self.img_size = args.img_size
         self.loader = build_loader(
             "train",
             records_dir,
-            img_size=IMG_SIZE,
+            img_size=args.img_size,
             batch_size=BATCH_SIZE,
             runtime=CPU,
             loader_cfg=self.params.loader,
@@ -129,7 +137,7 @@ class ImageFolderLoader:
         augment = template.params.augment
         steps = [
             T.RandomResizedCrop(
-                IMG_SIZE,
+                args.img_size,
                 scale=augment.scale,
                 ratio=augment.ratio,
                 interpolation=T.InterpolationMode[augment.interpolation.upper()],
@@ -169,7 +177,7 @@ class CropDecodeOnly:
             index_files=[str(index) for _, index in shards],
             shard_id=0,
             num_shards=1,
-            img_size=IMG_SIZE,
+            img_size=template.img_size,
             augment=template.params.augment,
             rand_spec=None,
             device="cpu",
@@ -217,7 +225,7 @@ def report(rates: dict[str, list[float]], images: int, args: argparse.Namespace)
         [
             header_line(),
             "",
-            f"Train loaders, {IMG_SIZE} px, batch {BATCH_SIZE}, {args.workers} threads/workers, {augment}; "
+            f"Train loaders, {args.img_size} px, batch {BATCH_SIZE}, {args.workers} threads/workers, {augment}; "
             f"{images} images per epoch, median of {args.repeats} interleaved epochs after a warm-up epoch.",
             "",
             markdown_table(["loader", "img/s (median)", "x ImageFolder", f"% of {CROP_DECODE}", "img/s range"], rows),

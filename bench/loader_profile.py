@@ -1,11 +1,11 @@
-"""Where a DALI train loader's CPU time goes at 224 px: why the CPU loader resizes with torch.
+"""Where a DALI train loader's CPU time goes at 224 px (or --img-size): why the CPU loader resizes with torch.
 
-The same records as bench/loader.py (synthetic 500x375 JPEGs unless --imagefolder), the project's default
+The same records as bench/loader.py (synthetic 500x375 JPEGs unless --imagefolder or --digits), the project's default
 random-resized-crop (augment.scale/ratio, bicubic), batch 64, 2 DALI threads. The first rows are one epoch of a
 DALI CPU pipeline built from the train pipeline's own pieces, adding one step at a time:
 - crop decode: the loader's own graph up to the decoded crop (tfrecord reader -> random crop window ->
   decoders.image_slice; bench/loader.py's "crop decode only" row): crops leave DALI as they are;
-- + resize ... : the same steps, then fn.resize to 224 x 224 with the named filter (uint8 out);
+- + resize ... : the same steps, then fn.resize to the output size with the named filter (uint8 out);
 - + normalise: then crop_mirror_normalize (flip, float CHW): the all-DALI train graph (the one a GPU runs),
   here on the CPU, without RandAugment/erasing;
 - project CPU loader: build_loader's DALI backend as it runs without a GPU: the crop decode above, then
@@ -26,7 +26,7 @@ from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 from coarse2fine.config import parse_params
 from coarse2fine.data import records
 from coarse2fine.data.dali_pipeline import READER_NAME, normalise, read_records, stored_shape
-from loader import BATCH_SIZE, IMG_SIZE, TINY_IMAGES, CropDecodeOnly, ProjectLoader
+from loader import BATCH_SIZE, TINY_IMAGES, CropDecodeOnly, ProjectLoader, add_img_size_argument
 
 RESIZES = {  # row name -> fn.resize filter options
     "+ resize bicubic, antialiased (the default)": dict(interp_type=types.INTERP_CUBIC),
@@ -40,6 +40,9 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--images", type=int, default=1024, metavar="N", help="synthetic train images (default: 1024)")
     parser.add_argument("--threads", type=int, default=2, metavar="N", help="DALI threads (default: 2)")
+    add_img_size_argument(parser)
+    parser.add_argument("--digits", action="store_true",
+                        help="scikit-learn's digits (32 px PNGs, as the peer bench trains on), not synthetic photos")
     common.add_common_arguments(parser, repeats=5)
     common.add_tiny_argument(parser, f"--images {TINY_IMAGES} (one batch; bench/loader.py --tiny's, reused from the "
                                      "same --workdir), 1 repeat")
@@ -51,8 +54,9 @@ def parse_args() -> argparse.Namespace:
 
 
 @pipeline_def
-def profile_pipeline(files, index_files, scale, ratio, resize: dict, normalised: bool = False):
-    """The crop decode, then fn.resize to 224 x 224 with the `resize` options [then crop_mirror_normalize]."""
+def profile_pipeline(files, index_files, scale, ratio, img_size: int, resize: dict, normalised: bool = False):
+    """The crop decode, then fn.resize to img_size x img_size with the `resize` options [then
+    crop_mirror_normalize]."""
     record = read_records(files, index_files, shard_id=0, num_shards=1, shuffle=True)
     image_hw = stored_shape(record["image"])
     anchor, shape = fn.random_crop_generator(image_hw, random_area=scale, random_aspect_ratio=ratio)
@@ -60,8 +64,8 @@ def profile_pipeline(files, index_files, scale, ratio, resize: dict, normalised:
         record["image"], start=anchor, shape=shape, axis_names="HW", output_type=types.RGB, adjust_orientation=False
     )
     flip = fn.random.coin_flip(probability=0.5)
-    image = fn.resize(image, size=(IMG_SIZE, IMG_SIZE), **resize)
-    return (normalise(image, IMG_SIZE, mirror=flip) if normalised else image), flip
+    image = fn.resize(image, size=(img_size, img_size), **resize)
+    return (normalise(image, img_size, mirror=flip) if normalised else image), flip
 
 
 class DaliEpoch:
@@ -82,12 +86,16 @@ def main() -> None:
     args = parse_args()
     augment = parse_params({}).augment
     with common.workspace(args.workdir) as work:
-        tree = args.imagefolder or common.photo_tree(work, train_images=args.images, val_images=40)
+        if args.digits:
+            tree = common.digits_tree(work, parse_params({}))
+        else:
+            tree = args.imagefolder or common.photo_tree(work, train_images=args.images, val_images=40)
         records_dir = common.convert_tree(tree, work / "records")
         shards = records.shard_files(records_dir, "train")
         pipeline_options = dict(
             files=[str(tfrecord) for tfrecord, _ in shards], index_files=[str(index) for _, index in shards],
-            scale=augment.scale, ratio=augment.ratio, batch_size=BATCH_SIZE, num_threads=args.threads, device_id=None,
+            scale=augment.scale, ratio=augment.ratio, img_size=args.img_size, batch_size=BATCH_SIZE,
+            num_threads=args.threads, device_id=None,
         )
         project_loader = ProjectLoader("dali", records_dir, args)
         variants = {"crop decode": common.CpuTimed(CropDecodeOnly(records_dir, project_loader))}
@@ -111,7 +119,8 @@ def main() -> None:
         [
             common.header_line(),
             "",
-            f"DALI CPU train pipeline, step by step: {IMG_SIZE} px, batch {BATCH_SIZE}, {args.threads} DALI threads, "
+            f"DALI CPU train pipeline, step by step: {args.img_size} px, batch {BATCH_SIZE}, {args.threads} DALI "
+            "threads, "
             f"crop area {augment.scale}, {args.images} images per epoch, median of {args.repeats} interleaved epochs.",
             "",
             common.markdown_table(["pipeline", "img/s (median)", "x all-DALI graph", "CPU ms per image"], rows),

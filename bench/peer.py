@@ -54,10 +54,10 @@ import time
 from pathlib import Path
 
 from _common import (
-    PROJECT_ROOT, ProjectCopy, goal, header_line, markdown_table, read_column, read_metric, workspace, write_json
+    PROJECT_ROOT, ProjectCopy, digits_tree, goal, header_line, markdown_table, read_column, read_metric, workspace,
+    write_json,
 )
 from coarse2fine.config import load_params
-from coarse2fine.data.sources import write_digits
 
 GOAL_VS_TIMM = 1.2
 PARAMS = load_params(PROJECT_ROOT / "params.yaml")  # both tools' settings (the stage's copy differs in data, epochs)
@@ -160,23 +160,6 @@ def run_timm(timm_repo: Path, tree: Path, work: Path, env: dict[str, str], **set
     return {"img_per_s": [rates[epoch] for epoch in sorted(rates)], "seconds": seconds, "top1": top1}
 
 
-def digits_tree(work: Path, tiny: bool) -> Path:
-    """The digits as an ImageFolder under `work` (reused if a kept --workdir has it); --tiny keeps each class
-    folder's first TINY_PER_CLASS images, the same subset for both tools."""
-    tree = work / ("digits-tiny" if tiny else "digits")
-    if tree.is_dir():
-        return tree
-    partial = tree.with_name(f"{tree.name}.partial")  # renamed when complete: an interrupted write is not reused
-    shutil.rmtree(partial, ignore_errors=True)
-    write_digits(partial, PARAMS.data.digits, PARAMS.seed)
-    if tiny:
-        for split, keep in TINY_PER_CLASS.items():
-            for folder in (partial / split).iterdir():
-                for image in sorted(folder.iterdir())[keep:]:
-                    image.unlink()
-    return partial.rename(tree)
-
-
 def prepared_project(work: Path, tree: Path, args: argparse.Namespace) -> ProjectCopy:
     """A fresh project copy on `tree` with everything pretrain reads made by a normal `dvc repro token_labels`:
     the records, the default teacher and its token labels (the token-label row's targets). The teacher trains as
@@ -271,7 +254,7 @@ def variants_to_run(args: argparse.Namespace, project: ProjectCopy, tree: Path, 
 def main() -> None:
     args = parse_args()
     with workspace(args.workdir) as work:
-        tree = digits_tree(work, args.tiny)
+        tree = digits_tree(work, PARAMS, TINY_PER_CLASS if args.tiny else None)
         variants = variants_to_run(args, prepared_project(work, tree, args), tree, work)
         runs: dict[str, list[dict]] = {name: [] for name in [*PROJECT_ROWS, *TIMM_ROWS]}
         order = list(variants)

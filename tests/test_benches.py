@@ -266,8 +266,13 @@ def test_loader_tiny_times_each_loader(augment: list[str], photos_workdir: Path)
 
 
 @pytest.mark.slow
-def test_loader_profile_tiny_times_each_step_of_the_dali_graph(photos_workdir: Path) -> None:
-    rows = first_table(run_bench("loader_profile", "--tiny", "--workdir", str(photos_workdir)))
+@pytest.mark.parametrize("source", ["photos", "digits"])
+def test_loader_profile_tiny_times_each_step_of_the_dali_graph(source: str, photos_workdir: Path, tmp_path) -> None:
+    options = ["--workdir", str(photos_workdir)] if source == "photos" else ["--digits", "--img-size", "32",
+                                                                              "--workdir", str(tmp_path)]
+    report = run_bench("loader_profile", "--tiny", *options)
+    assert (" 32 px," in report) is (source == "digits")
+    rows = first_table(report)
     assert [row[0] for row in rows] == [
         "crop decode", "+ resize bicubic, antialiased (the default)", "+ resize bilinear, antialiased",
         "+ resize bicubic, not antialiased", "+ normalise (the all-DALI train graph)",

@@ -155,7 +155,9 @@ def build_trainer(params, stage: str, model, img_size: int, tmp_path: Path) -> t
     # The profile's own peak LR (at its global batch) for the reduced batch, so the schedule's check still holds.
     peak_lr = full.optimizer.peak_lr(full.global_batch(params.launch.nproc_per_node))
     optimizer = full.optimizer.model_copy(update={"lr_base": peak_lr, "lr_scaling": "none"})
-    cfg = full.model_copy(update={"img_size": img_size, "batch_size": BATCH, "optimizer": optimizer})
+    # Eager: the VOLO profiles compile their training forward, minutes per big model on a CPU; test_gpu_defaults.py
+    # tests the compiled step.
+    cfg = full.model_copy(update={"img_size": img_size, "batch_size": BATCH, "optimizer": optimizer, "compile": False})
     objective, labels = None, None
     if cfg.token_label.enabled:  # a store of random teacher scores, as the token_labels stage writes one
         top_k, grid = params.token_labels.top_k, 2

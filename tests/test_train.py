@@ -7,6 +7,7 @@ program of `test_ddp_ranks_end_with_identical_weights`.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -481,11 +482,18 @@ def test_rerun_after_the_last_epoch_only_writes_the_outputs(tmp_path, monkeypatc
 
 
 @pytest.mark.slow
-def test_ddp_ranks_end_with_identical_weights(digits_records, tmp_path):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_ddp_ranks_end_with_identical_weights(digits_records, tmp_path, compiled):
     """Two torchrun ranks see different samples and draw different drop-path masks; only averaged gradients
-    (through no_sync accumulation, and an epoch-end update of a single micro-batch) keep them identical."""
+    (through no_sync accumulation, and an epoch-end update of a single micro-batch) keep them identical. Compiled
+    (`pretrain.compile`, as the VOLO profiles train under DDP), the stages' backward comes from AOTAutograd's
+    graphs, and DDP's gradient hooks must still fire: AOTAutograd without inductor here (`aot_eager`), seconds
+    instead of minutes of compiling on a CPU."""
     torchrun = Path(sys.executable).with_name("torchrun")
-    command = [str(torchrun), "--standalone", "--nproc_per_node=2", __file__, str(digits_records), str(tmp_path)]
+    command = [
+        str(torchrun), "--standalone", "--nproc_per_node=2", __file__, str(digits_records), str(tmp_path),
+        str(compiled),
+    ]
     env = {**ENV, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
     subprocess.run(command, check=True, timeout=600, env=env, cwd=Path(__file__).parent)
     rank0, rank1 = (torch.load(tmp_path / f"rank{rank}.pt", weights_only=True) for rank in range(2))
@@ -497,15 +505,19 @@ def test_ddp_ranks_end_with_identical_weights(digits_records, tmp_path):
     assert json.loads((tmp_path / "metrics" / "metrics.json").read_text())["step"] == 0  # its one epoch, logged
 
 
-def ddp_params():
+def ddp_params(compiled: bool = False):
     # 217 training samples per rank: 13 batches of 16, i.e. 6 updates of 2 micro-batches and a last one of 1.
-    return make_params(pretrain={"epochs": 1, "batch_size": 16, "accum_steps": 2}, model={"drop_path": 0.1})
+    return make_params(
+        pretrain={"epochs": 1, "batch_size": 16, "accum_steps": 2, "compile": compiled}, model={"drop_path": 0.1}
+    )
 
 
-def _rank_main(records_dir: str, out_dir: str) -> None:
+def _rank_main(records_dir: str, out_dir: str, compiled: str) -> None:
     """One rank of test_ddp_ranks_end_with_identical_weights: train, then dump this rank's weights."""
     out = Path(out_dir)
-    params = ddp_params()
+    params = ddp_params(compiled == "True")
+    if params.pretrain.compile:
+        torch.compile = functools.partial(torch.compile, backend="aot_eager")
     with distributed.session() as runtime:
         loaders = train_val_loaders(Path(records_dir), params, runtime, batch_size=16)
         train.seed_everything(params.seed, runtime)

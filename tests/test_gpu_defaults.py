@@ -109,8 +109,8 @@ def test_mix_token_boxes_compile_once(monkeypatch, fresh_dynamo):
 
 @pytest.mark.slow
 def test_a_compiled_step_computes_what_the_eager_step_does(tmp_path):
-    """One tiny step through inductor (about 40 s on 2 CPU cores for the compilation; seconds once inductor's cache
-    holds it): the same loss and update."""
+    """One tiny step through inductor (about 45 s on 2 CPU cores to compile the VOLO's five stage graphs; seconds
+    once inductor's cache holds them): the same loss and update."""
     results = []
     for compile_forward in (False, True):
         trainer = ground_truth_trainer(tmp_path / str(compile_forward), compile=compile_forward)

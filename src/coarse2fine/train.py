@@ -241,9 +241,9 @@ class Trainer:
         self.parallel = parallel.build(params.parallel, runtime, self.autocast_dtype)
         self.model = runtime.place(model)
         self.parallel.shard(self.model)
-        # Only the training forward is compiled (models.compiled_for_training).
-        trained = models.compiled_for_training(self.model) if cfg.compile else self.model
-        self.train_forward = self.parallel.wrap(models.TrainForward(trained))
+        # Only the training forward is compiled (models.compiled_train_forward).
+        train_forward = models.compiled_train_forward(self.model) if cfg.compile else models.TrainForward(self.model)
+        self.train_forward = self.parallel.wrap(train_forward)
 
         self.data_ranks = self.parallel.dims.data  # the ranks reading distinct batches
         self.global_batch = cfg.global_batch(self.data_ranks)

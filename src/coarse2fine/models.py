@@ -207,7 +207,7 @@ class TrainForward(nn.Module):
         return TrainOutput(cls_logits, aux_logits, tuple(int(edge) for edge in box))
 
 
-def compiled_train_forward(model: nn.Module) -> TrainForward | nn.Module:
+def compiled_train_forward(model: nn.Module) -> nn.Module:
     """`TrainForward(model)` through torch.compile, for `train.compile`; it shares `model`'s parameters, and
     validation, the EMA and the saved model keep the eager `model`.
 

@@ -362,6 +362,16 @@ def test_a_model_torch_export_refuses_is_one_warning_and_the_run_goes_on(workdir
     assert "curves.png" in {item.path for item in client(store).list_artifacts(tracker.run_id)}  # MLflow stayed on
 
 
+def test_a_warning_after_mlflow_pytorch_is_imported_still_reaches_the_terminal():
+    """mlflow.pytorch's import calls logging.basicConfig(level=ERROR): imported as is, every later warning of the
+    project (a model that was not logged, above) is dropped on its way to stderr, in a stage's process."""
+    code = ("import logging; from coarse2fine.tracking import models; models.imported_mlflow_pytorch(); "
+            "logging.getLogger('coarse2fine.tracking.models').warning('warning: seen')")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "PYTHONPATH": str(PROJECT_ROOT / "src")})
+    assert result.returncode == 0 and result.stderr.splitlines()[-1] == "warning: seen", result.stderr[-2000:]
+
+
 def test_with_log_models_off_a_training_run_logs_no_model_and_lineage_registers_none(workdir, store, request):
     name = request.node.name
     params = make_params(tracking={"experiment": name, "registered_model": name, "log_models": False})

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from importlib.metadata import version
 from typing import Any
 
+import mlflow
 import numpy as np
 import torch
 from mlflow.exceptions import MlflowException
@@ -20,12 +21,25 @@ from coarse2fine.tracking.store import first_line
 logger = logging.getLogger(__name__)
 
 
+def imported_mlflow_pytorch():
+    """mlflow.pytorch, imported without its side effect on logging: its Lightning module calls
+    `logging.basicConfig(level=logging.ERROR)` at import, which would silence every later warning of this project
+    (they reach stderr through logging's last resort, root having no handler), e.g. a model that was not logged."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    import mlflow.pytorch
+
+    root.handlers[:] = handlers
+    root.setLevel(level)
+    return mlflow.pytorch
+
+
 def log_model(run_id: str, stage: str, model: nn.Module, card: Mapping[str, Any]) -> str | None:
     """`model` as an MLflow model of the run (`mlflow.pytorch.log_model`) in its "pt2" format (torch.export: the
     graph and tensors, loaded without unpickling any code), with a signature ([batch, 3, S, S] images -> [batch,
     classes] logits), an input example and the model file's fields (`card`: classes, eval_transform, ...) as
     metadata. Returns its model id; None, after one warning, when torch.export or the store refused it."""
-    import mlflow.pytorch  # about 1 s that only the stages logging a model pay
+    mlflow_pytorch = imported_mlflow_pytorch()  # about 1 s that only the stages logging a model pay
     from mlflow.models import ModelSignature
     from mlflow.types import Schema, TensorSpec
 
@@ -38,7 +52,7 @@ def log_model(run_id: str, stage: str, model: nn.Module, card: Mapping[str, Any]
     )
     try:
         with mlflow.start_run(run_id=run_id):
-            info = mlflow.pytorch.log_model(
+            info = mlflow_pytorch.log_model(
                 exported, name="model", signature=signature, input_example=example.numpy(),
                 serialization_format="pt2", metadata=dict(card),
                 # Pinned from this environment, not inferred (inference imports the model's whole stack).
@@ -62,8 +76,7 @@ def load_logged_model(uri: str, device: torch.device | str = "cpu") -> tuple[nn.
     Its "pt2" archive is checked by MLflow to hold only tensors and plain data before torch.export loads it:
     no code is unpickled (unless MLFLOW_ALLOW_PICKLE_DESERIALIZATION=true is set). A missing name, alias or
     version is a UserError."""
-    import mlflow.pytorch
-
+    mlflow_pytorch = imported_mlflow_pytorch()
     uri_of_store = tracking_uri()
     database = sqlite_database(uri_of_store)
     if database is not None and not database.is_file():
@@ -74,7 +87,7 @@ def load_logged_model(uri: str, device: torch.device | str = "cpu") -> tuple[nn.
     mlflow.set_tracking_uri(uri_of_store)
     try:
         card = mlflow.models.get_model_info(uri).metadata or {}
-        model = mlflow.pytorch.load_model(uri, device=str(device))
+        model = mlflow_pytorch.load_model(uri, device=str(device))
     except MlflowException as error:
         raise UserError(f"{uri}: cannot load it from {uri_of_store}: {first_line(error)}") from None
     if "classes" not in card or "eval_transform" not in card:

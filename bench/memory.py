@@ -43,6 +43,8 @@ import numpy as np
 import psutil
 import yaml
 
+from coarse2fine.stage_server import SERVER_ENV
+
 from _common import (
     NEAR_EMPTY, NEAR_EMPTY_TINY, PROJECT_ROOT, ProjectCopy, Repro, add_tiny_argument, goal, header_line,
     markdown_table, merge_params, project_copy, read_metric, tiny_sizes, tree_stats, workspace, write_json,
@@ -344,6 +346,9 @@ def report(raw: dict, args: argparse.Namespace) -> tuple[str, list[str]]:
 
 def main() -> None:
     args = parse_args()
+    # Every stage in a process of its own under dvc, as users run them: a stage server's (the test suite's, or
+    # `python -m coarse2fine.stage_server`'s) would run them outside the tree sampled here.
+    os.environ.pop(SERVER_ENV, None)
     raw: dict = {}
     with workspace(args.workdir) as work:
         if "stages" in args.parts:  # first: getrusage's children are then only this repro (and the copy's git)

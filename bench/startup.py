@@ -5,16 +5,23 @@ In a fresh copy of the project (as tests/test_pipeline.py makes it) with the shi
 `dvc repro --force` reruns every stage in --repeats interleaved rounds, and each stage's wall time (from its
 "Running stage" line to the next) is its start-up (the launcher, imports, process group, loader build, MLflow
 run and model logging) plus its little work. With --before REF the same is done, interleaved, in a second copy
-made from commit REF's files: before/after per stage, in one run on the same machine.
+made from commit REF's files: before/after per stage, in one run on the same machine. Each round also reruns the
+copy with its launched stages in a stage server (`python -m coarse2fine.stage_server`: the imports paid once, each
+stage a fork of the warm server), the opt-in way to pay less start-up.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import os
 import statistics
 import subprocess
 import tempfile
 from pathlib import Path
+
+from coarse2fine.stage_server import SERVER_ENV
+from coarse2fine.stage_server import running as running_stage_server
 
 from _common import (
     COPY_DIR, NEAR_EMPTY, PROJECT_ROOT, ProjectCopy, Repro, add_tiny_argument, goal, header_line, markdown_table,
@@ -50,28 +57,32 @@ def median_seconds(runs: list[Repro], stage: str) -> float:
     return statistics.median(run.stage_seconds[stage] for run in runs)
 
 
+SERVED = "after, stage server"
+
+
 def report(timed: dict[str, list[Repro]], args: argparse.Namespace) -> tuple[str, dict]:
-    after = timed["after"]
-    before = timed.get("before")
-    headers = ["stage", "after: s (median)"] + (["before: s (median)", "after / before"] if before else [])
+    columns = [("after", "after: s (median)")]
+    if "before" in timed:
+        columns.append(("before", "before: s (median)"))
+    if SERVED in timed:
+        columns.append((SERVED, "stage server: s (median)"))
+    headers = ["stage", *(title for _, title in columns), *(f"{name} / after" for name, _ in columns[1:])]
     rows = []
     for stage in LAUNCHED:
-        now = median_seconds(after, stage)
-        row = [stage, f"{now:.2f}"]
-        if before:
-            then = median_seconds(before, stage)
-            row += [f"{then:.2f}", f"{now / then:.2f}x"]
-        rows.append(row)
-    slowest = max(LAUNCHED, key=lambda stage: median_seconds(after, stage))
-    goals = [goal(f"every launched stage with next to no work <= {GOAL_SECONDS:g} s",
-                  median_seconds(after, slowest) <= GOAL_SECONDS,
-                  f"slowest {slowest}, {median_seconds(after, slowest):.2f} s")]
+        seconds = [median_seconds(timed[name], stage) for name, _ in columns]
+        rows.append([stage, *(f"{value:.2f}" for value in seconds), *(f"{value / seconds[0]:.2f}x" for value in seconds[1:])])
+    goals = [
+        _goal(timed[name], f"every launched stage with next to no work <= {GOAL_SECONDS:g} s{suffix}")
+        for name, suffix in (("after", ""), (SERVED, " (in a stage server)")) if name in timed
+    ]
     rounds = "the first full run" if args.tiny else f"median of {args.repeats} interleaved `dvc repro --force` rounds"
     text = "\n".join([
         header_line(),
         "",
         f"Each launched stage's wall time in a project copy with data.subset {NEAR_EMPTY['data']['subset']} and one "
-        f"epoch per training stage, {rounds}" + (f"; before: commit {args.before}." if before else "."),
+        f"epoch per training stage, {rounds}" + (f"; before: commit {args.before}" if "before" in timed else "")
+        + ("; stage server: the same copy's stages forked by `coarse2fine.stage_server`" if SERVED in timed else "")
+        + (f" (in the stage server at ${SERVER_ENV})" if args.tiny and os.environ.get(SERVER_ENV) else "") + ".",
         "",
         markdown_table(headers, rows),
         "",
@@ -81,22 +92,43 @@ def report(timed: dict[str, list[Repro]], args: argparse.Namespace) -> tuple[str
     return text, raw
 
 
+def _goal(runs: list[Repro], text: str) -> str:
+    slowest = max(LAUNCHED, key=lambda stage: median_seconds(runs, stage))
+    seconds = median_seconds(runs, slowest)
+    return goal(text, seconds <= GOAL_SECONDS, f"slowest {slowest}, {seconds:.2f} s")
+
+
 def main() -> None:
     args = parse_args()
     with workspace(args.workdir) as work, tempfile.TemporaryDirectory(prefix="coarse2fine-before-") as old:
         copies = {"after": ProjectCopy(work / COPY_DIR, NEAR_EMPTY)}  # where the other benches' --tiny find it
-        if args.before:
-            copies["before"] = ProjectCopy(work / "before", NEAR_EMPTY, source=checkout(args.before, Path(old) / "tree"))
-        timed = {name: [project.repro()] for name, project in copies.items()}
-        if not args.tiny:
-            timed = {name: [] for name in copies}
-            for repeat in range(args.repeats):
-                order = list(copies) if repeat % 2 == 0 else list(reversed(copies))
-                for name in order:
-                    timed[name].append(copies[name].repro("--force"))
+        if args.tiny:  # the first run's times, in the environment's stage server if it has one (the test suite's)
+            timed = {"after": [copies["after"].repro()]}
+        else:
+            if args.before:
+                source = checkout(args.before, Path(old) / "tree")
+                copies["before"] = ProjectCopy(work / "before", NEAR_EMPTY, source=source)
+            for project in copies.values():  # each stage in a process of its own, as dvc runs it by default
+                project.env.pop(SERVER_ENV, None)
+                project.repro()
+            timed = timed_rounds(copies, args.repeats)
     text, raw = report(timed, args)
     print(text)
     write_json(args, text, raw)
+
+
+def timed_rounds(copies: dict[str, ProjectCopy], repeats: int) -> dict[str, list[Repro]]:
+    """`dvc repro --force` in each copy, `repeats` interleaved rounds, and in the "after" copy once more per round
+    with its stages in a stage server."""
+    with running_stage_server() as address:
+        served = copy.copy(copies["after"])
+        served.env = {**served.env, SERVER_ENV: str(address)}
+        variants = {**copies, SERVED: served}
+        timed: dict[str, list[Repro]] = {name: [] for name in variants}
+        for repeat in range(repeats):
+            for name in variants if repeat % 2 == 0 else reversed(variants):
+                timed[name].append(variants[name].repro("--force"))
+    return timed
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 import torch
@@ -22,6 +22,7 @@ from coarse2fine.data.convert import convert
 from coarse2fine.data.loaders import build_loader
 from coarse2fine.distributed import Runtime
 from coarse2fine.labels.store import TokenLabelStore
+from coarse2fine.stage_server import SERVER_ENV, running as running_stage_server
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,6 +34,24 @@ def pytest_configure(config: pytest.Config) -> None:
     if os.environ.get("PYTEST_XDIST_WORKER"):
         os.environ["OMP_NUM_THREADS"] = "1"
         torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def stage_server() -> Iterator[Path]:
+    """One stage server (coarse2fine.stage_server) per test process, used by every launched stage of the session:
+    the pipeline tests' hundreds of stage runs pay their imports once, not 6-7 s each. Tests about the launcher's
+    own processes opt out with `@pytest.mark.own_processes`."""
+    with running_stage_server() as address:
+        os.environ[SERVER_ENV] = str(address)
+        yield address
+        del os.environ[SERVER_ENV]
+
+
+@pytest.fixture(autouse=True)
+def _own_processes(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test marked `own_processes` launches its stages in processes of their own, as without a stage server."""
+    if request.node.get_closest_marker("own_processes"):
+        monkeypatch.delenv(SERVER_ENV, raising=False)
 
 
 def make_params(**sections: Any) -> Params:

@@ -72,6 +72,7 @@ sys.exit(3)
 
 
 @pytest.mark.parametrize("restarts", [0, 1])
+@pytest.mark.own_processes
 def test_a_world_of_one_runs_in_the_launchers_own_process_unless_torchrun_may_restart_it(tmp_path, restarts):
     """One node, one process: the stage is the launcher's main program, as `python script` would run it (no agent,
     no second import of torch); with restarts to make, torchrun's agent runs it as a worker. Either way its exit
@@ -171,6 +172,7 @@ def test_two_agents_at_a_c10d_rendezvous_train_as_one_node_with_two_ranks(one_no
 
 
 @pytest.mark.slow
+@pytest.mark.own_processes  # the ranks are the launcher's children
 def test_a_killed_rank_is_restarted_and_the_stage_ends_as_if_uninterrupted(one_node_two_ranks, digits_records, tmp_path):
     process = start_stage(tmp_path, digits_records, {"nproc_per_node": 2, "max_restarts": 1})
     checkpoint = tmp_path / "ckpt" / train.CHECKPOINT_FILE

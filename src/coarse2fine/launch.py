@@ -20,7 +20,9 @@ It is torchrun (the same argument parser and elastic launch, in this process), p
 - a world of one (one node, one process, no restarts: the default on a laptop or one GPU) runs the stage in this
   process, as `torchrun --standalone --nproc_per_node=1` would run it in a worker: an agent that will never
   restart its only worker adds nothing but a second process and a second import of torch (about 2 s of every
-  stage's start-up, issue 21). The stage finds no RANK or WORLD_SIZE set, and `distributed.init` makes a world of one.
+  stage's start-up, issue 21). The stage finds no RANK or WORLD_SIZE set, and `distributed.init` makes a world of one;
+- with COARSE2FINE_STAGE_SERVER set, all of the above runs in a fork of that stage server, which has imported
+  torch and the rest once (`coarse2fine.stage_server`), and so do torchrun's workers.
 """
 
 from __future__ import annotations
@@ -28,20 +30,20 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import runpy
 import shlex
 import signal
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from torch.distributed import run as torchrun
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
-from coarse2fine import cli, slurm
+from coarse2fine import cli, slurm, stage_server
 from coarse2fine.config import Launch, load_params
 from coarse2fine.errors import UserError
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 SOURCE_DIR = Path(__file__).resolve().parents[1]  # the `src` directory this package was imported from
 # Set on the srun step: this process is one node's torchrun agent, its options already resolved.
@@ -50,6 +52,10 @@ SLURM_AGENT_ENV = "COARSE2FINE_SLURM_AGENT"
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    stage_server.run_there_if_asked({"module": "coarse2fine.launch", "argv": argv})
+    # Imported after: a launcher that hands its stage to the stage server never imports torch.
+    from torch.distributed import run as torchrun
+
     dry_run = os.environ.get(slurm.DRY_RUN_ENV) == "1"
     try:
         # Everything but the model names, which need timm imported (2 s, paid again by every worker): the workers
@@ -103,23 +109,25 @@ def is_world_of_one(args: argparse.Namespace) -> bool:
 
 
 def _run_here(args: argparse.Namespace) -> None:
-    """The stage script as this process's main program, as `python -u script args` runs it: its own directory
-    first on sys.path, its arguments in sys.argv, output unbuffered (dvc repro shows progress as it comes). A user
-    mistake is its one line and exit 2 (cli.run prints it: no launcher waits for a message file)."""
-    sys.argv = [args.training_script, *args.training_script_args]
-    sys.path[0] = str(Path(args.training_script).resolve().parent)
-    for stream in (sys.stdout, sys.stderr):
-        stream.reconfigure(write_through=True)
-    runpy.run_path(args.training_script, run_name="__main__")
+    """The stage script as this process's main program, as `python -u script args` runs it. A user mistake is its
+    one line and exit 2 (cli.run prints it: no launcher waits for a message file)."""
+    stage_server.run_script_as_main(args.training_script, args.training_script_args)
 
 
 def _launch_here(args: argparse.Namespace) -> None:
     """torchrun's elastic launch of this node's workers, their user errors as one line each and exit 2."""
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
     _quiet_elastic_agent()
     # torch 2.14 shares the rendezvous' TCP store with the workers across restarts without a per-attempt prefix
     # (despite its comment in torch/distributed/rendezvous.py), so a restarted group's gloo reads the killed
     # attempt's addresses and fails "Connection refused". Unshared, rank 0 hosts a fresh store each attempt.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    if stage_server.address():  # each worker a fork of the stage server too, through its `--worker` entry
+        args.module, args.training_script, args.training_script_args = (
+            True, "coarse2fine.stage_server", ["--worker", args.training_script, *args.training_script_args],
+        )
     with tempfile.TemporaryDirectory(prefix="coarse2fine-errors-") as error_dir:
         os.environ[cli.ERROR_DIR_ENV] = error_dir
         try:

@@ -61,16 +61,19 @@ SERVED = "after, stage server"
 
 
 def report(timed: dict[str, list[Repro]], args: argparse.Namespace) -> tuple[str, dict]:
-    columns = [("after", "after: s (median)")]
-    if "before" in timed:
-        columns.append(("before", "before: s (median)"))
-    if SERVED in timed:
-        columns.append((SERVED, "stage server: s (median)"))
-    headers = ["stage", *(title for _, title in columns), *(f"{name} / after" for name, _ in columns[1:])]
+    """One row per launched stage: its median seconds in each variant, and the ratios that compare them."""
+    titles = {"after": "own process: s (median)", "before": f"before ({args.before}): s (median)",
+              SERVED: "stage server: s (median)"}
+    variants = [name for name in titles if name in timed]
+    ratios = [(top, bottom, title) for top, bottom, title in (
+        ("after", "before", "after / before"), (SERVED, "after", "stage server / own process"),
+    ) if top in timed and bottom in timed]
+    headers = ["stage", *(titles[name] for name in variants), *(title for _, _, title in ratios)]
     rows = []
     for stage in LAUNCHED:
-        seconds = [median_seconds(timed[name], stage) for name, _ in columns]
-        rows.append([stage, *(f"{value:.2f}" for value in seconds), *(f"{value / seconds[0]:.2f}x" for value in seconds[1:])])
+        seconds = {name: median_seconds(timed[name], stage) for name in variants}
+        rows.append([stage, *(f"{seconds[name]:.2f}" for name in variants),
+                     *(f"{seconds[top] / seconds[bottom]:.2f}x" for top, bottom, _ in ratios)])
     goals = [
         _goal(timed[name], f"every launched stage with next to no work <= {GOAL_SECONDS:g} s{suffix}")
         for name, suffix in (("after", ""), (SERVED, " (in a stage server)")) if name in timed

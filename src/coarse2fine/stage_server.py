@@ -149,6 +149,10 @@ def serve(address: Path) -> NoReturn:
     """Import PRELOADED, then fork a supervised copy of this process for each launcher that connects."""
     for name in PRELOADED:
         importlib.import_module(name)
+    import torch
+
+    if torch.cuda.is_initialized():  # a fork of a process with CUDA initialised cannot use the GPU
+        raise SystemExit("stage server: importing the stages' libraries initialised CUDA: a fork could not use it")
     _die_with_parent()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     with contextlib.suppress(FileNotFoundError):

@@ -67,14 +67,17 @@ def stage_pid(tmp_path: Path, launcher: subprocess.Popen, rank: str = "", name: 
 
 
 def wait_until_gone(pid: int) -> None:
+    """Until `pid` is dead: gone, or a zombie (an orphan waits for whichever init adopted it to reap it)."""
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return
+        if state == "Z":
             return
         time.sleep(0.05)
-    raise AssertionError(f"the stage (pid {pid}) outlived its launcher")
+    raise AssertionError(f"the stage's process {pid} outlived its launcher")
 
 
 def test_a_stage_in_the_server_runs_as_in_the_launcher_with_the_callers_code_and_environment(tmp_path, stage_server):

@@ -27,6 +27,9 @@ print(json.dumps({"pid": os.getpid(), "rank": os.environ.get("RANK"), "preloaded
                   "code": coarse2fine.__file__, "greeting": os.environ.get("GREETING"),
                   "copy_marker": os.environ.get("COARSE2FINE_STAGE_SERVER_COPY"), "threads": torch.get_num_threads()}))
 Path(f"pid{os.environ.get('RANK', '')}").write_text(str(os.getpid()))
+ranks = range(int(os.environ.get("WORLD_SIZE", "0")))  # none set in a world of one run as the launcher's process
+while sys.argv[-1] != "wait" and not all(Path(f"pid{rank}").exists() for rank in ranks):
+    time.sleep(0.05)  # every rank has printed before one exits: torchrun stops the others at the first failure
 if sys.argv[-1] == "wait":  # with a child, as a data loader's worker: forked, no death signal of its own
     import multiprocessing
     child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(600,))
@@ -43,6 +46,8 @@ def launch(
 ) -> subprocess.Popen:
     """`python -m coarse2fine.launch stage.py` in tmp_path (run by `wrapper`, if given), importing a copy of the
     project's code (tmp_path/src)."""
+    for stale in [*tmp_path.glob("pid*"), *tmp_path.glob("child*")]:  # an earlier launch's
+        stale.unlink()
     if not (tmp_path / "src").exists():
         shutil.copytree(PROJECT_ROOT / "src", tmp_path / "src", ignore=shutil.ignore_patterns("__pycache__"))
         (tmp_path / "stage.py").write_text(STAGE)

@@ -45,7 +45,6 @@ from coarse2fine.errors import UserError
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-SOURCE_DIR = Path(__file__).resolve().parents[1]  # the `src` directory this package was imported from
 # Set on the srun step: this process is one node's torchrun agent, its options already resolved.
 SLURM_AGENT_ENV = "COARSE2FINE_SLURM_AGENT"
 
@@ -72,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     except UserError as error:
         cli.print_user_error(error)
         sys.exit(cli.USER_ERROR_EXIT)
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (str(SOURCE_DIR), os.environ.get("PYTHONPATH"))))
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (str(stage_server.SOURCE_DIR), os.environ.get("PYTHONPATH"))))
     if dry_run:
         print(shlex.join(srun or [sys.executable, "-m", "coarse2fine.launch", *argv]), flush=True)
         return

@@ -42,7 +42,7 @@ from typing import NoReturn
 SERVER_ENV = "COARSE2FINE_STAGE_SERVER"
 # Set in a copy that runs a launcher, for that launcher alone (run_there_if_asked takes it out).
 COPY_ENV = "COARSE2FINE_STAGE_SERVER_COPY"
-SOURCE_DIR = Path(__file__).resolve().parents[1]  # the server imports this tree's coarse2fine.stage_server
+SOURCE_DIR = Path(__file__).resolve().parents[1]  # the `src` directory this package was imported from
 # What the launched stages import (a copy imports the rest, and coarse2fine itself, afresh). Only modules whose
 # import leaves the process as a fresh one would be: not mlflow.pytorch, whose import configures the root logger
 # (logging.basicConfig at ERROR), which a stage's process meets only when it logs its model, at its end.

@@ -16,7 +16,7 @@ from typing import Callable, NoReturn
 
 from coarse2fine.config import Params, load_params
 from coarse2fine.errors import UserError
-from coarse2fine.files import sole_writer
+from coarse2fine.files import atomic_path, sole_writer
 
 USER_ERROR_EXIT = 2
 # Set by coarse2fine.launch: the directory where a worker leaves its user-error message for the launcher.
@@ -118,9 +118,12 @@ def report_user_error(error: UserError) -> None:
     rank = os.environ.get("RANK", "0")
     if error_dir:
         try:
-            (Path(error_dir) / f"rank{rank}.txt").write_text(str(error), encoding="utf-8")
+            # Whole or not at all: the agent may SIGTERM this rank mid-write once another has exited 2, and an
+            # empty message file became a second, empty "error:" line (make test, 2026-11-26).
+            with atomic_path(Path(error_dir) / f"rank{rank}.txt") as partial:
+                partial.write_text(str(error), encoding="utf-8")
             return
-        except OSError:  # the disk that stopped the stage may be the one the message goes to: print it instead
+        except (OSError, UserError):  # the disk that stopped the stage may be the one it goes to: print it
             pass
     elif rank != "0":
         return

@@ -23,9 +23,11 @@ STAGE = """import json, os, sys, time
 from pathlib import Path
 preloaded = "torch" in sys.modules
 import coarse2fine, torch
-print(json.dumps({"pid": os.getpid(), "rank": os.environ.get("RANK"), "preloaded": preloaded, "argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0],
+seen = (json.dumps({"pid": os.getpid(), "rank": os.environ.get("RANK"), "preloaded": preloaded, "argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0],
                   "code": coarse2fine.__file__, "greeting": os.environ.get("GREETING"),
                   "copy_marker": os.environ.get("COARSE2FINE_STAGE_SERVER_COPY"), "threads": torch.get_num_threads()}))
+print(seen)
+Path(f"seen{os.environ.get('RANK', '')}.json").write_text(seen)  # ranks share stdout: their lines can interleave
 Path(f"pid{os.environ.get('RANK', '')}").write_text(str(os.getpid()))
 ranks = range(int(os.environ.get("WORLD_SIZE", "0")))  # none set in a world of one run as the launcher's process
 while sys.argv[-1] != "wait" and not all(Path(f"pid{rank}").exists() for rank in ranks):
@@ -46,7 +48,7 @@ def launch(
 ) -> subprocess.Popen:
     """`python -m coarse2fine.launch stage.py` in tmp_path (run by `wrapper`, if given), importing a copy of the
     project's code (tmp_path/src)."""
-    for stale in [*tmp_path.glob("pid*"), *tmp_path.glob("child*")]:  # an earlier launch's
+    for stale in [*tmp_path.glob("pid*"), *tmp_path.glob("child*"), *tmp_path.glob("seen*")]:  # an earlier launch's
         stale.unlink()
     if not (tmp_path / "src").exists():
         shutil.copytree(PROJECT_ROOT / "src", tmp_path / "src", ignore=shutil.ignore_patterns("__pycache__"))
@@ -121,16 +123,16 @@ def test_without_a_server_at_the_address_the_launcher_says_so_and_runs_the_stage
 
 
 
-def ranks_seen(launcher: subprocess.Popen) -> list[tuple]:
+def ranks_seen(tmp_path: Path, launcher: subprocess.Popen) -> list[tuple]:
     """(rank, torch imported before the script ran, argv) of each rank of a two-rank launch of STAGE."""
-    stdout, stderr = launcher.communicate(timeout=120)
+    _, stderr = launcher.communicate(timeout=120)
     assert launcher.returncode == 1 and "exitcode  : 3" in stderr  # torchrun's report of the workers' exit code
-    seen = sorted((json.loads(line) for line in stdout.splitlines() if line.startswith("{")), key=lambda s: s["rank"])
+    seen = [json.loads((tmp_path / f"seen{rank}.json").read_text()) for rank in (0, 1)]
     return [(s["rank"], s["preloaded"], s["argv"]) for s in seen]
 
 
 def test_torchruns_workers_are_forks_of_the_server_too_and_die_with_the_launcher(tmp_path, stage_server):
-    assert ranks_seen(launch(tmp_path, "--params", "two.yaml")) == [
+    assert ranks_seen(tmp_path, launch(tmp_path, "--params", "two.yaml")) == [
         (rank, True, ["stage.py", "--params", "two.yaml"]) for rank in ("0", "1")
     ]
 
@@ -143,10 +145,10 @@ def test_torchruns_workers_are_forks_of_the_server_too_and_die_with_the_launcher
 
 @pytest.mark.own_processes
 def test_the_command_form_runs_its_command_under_a_server_of_its_own(tmp_path):
-    assert ranks_seen(launch(tmp_path, "--params", "two.yaml")) == [  # without one: fresh workers
+    assert ranks_seen(tmp_path, launch(tmp_path, "--params", "two.yaml")) == [  # without one: fresh workers
         (rank, False, ["stage.py", "--params", "two.yaml"]) for rank in ("0", "1")
     ]
     wrapper = (sys.executable, "-m", "coarse2fine.stage_server")
-    assert ranks_seen(launch(tmp_path, "--params", "two.yaml", wrapper=wrapper)) == [
+    assert ranks_seen(tmp_path, launch(tmp_path, "--params", "two.yaml", wrapper=wrapper)) == [
         (rank, True, ["stage.py", "--params", "two.yaml"]) for rank in ("0", "1")
     ]

@@ -55,7 +55,7 @@ def test_a_stage_started_while_another_process_writes_its_outputs_stops_untouche
 def test_dvc_repro_beside_a_running_one_is_refused_by_dvc_and_the_rerun_has_nothing_to_do(tmp_path):
     project = Project(tmp_path / "project")
     running = Repro(project, "convert")
-    running.wait_for("convert")
+    assert running.wait_for("convert"), running.output
     beside = project.run("dvc", "repro", "convert", check=False)
     # DVC locks what each stage reads and writes while it runs: the second repro's first stage writes what the
     # running convert reads.

@@ -21,7 +21,9 @@ from conftest import PROJECT_ROOT
 
 STAGE = """import json, os, sys, time
 from pathlib import Path
-preloaded = "torch" in sys.modules
+requirements = sys.modules.get("mlflow.utils.requirements_utils")  # its map of installed packages, built once
+preloaded = ("torch" in sys.modules and "mlflow.store.tracking.sqlalchemy_store" in sys.modules
+             and getattr(requirements, "_MODULES_TO_PACKAGES", None) is not None)
 import coarse2fine, torch
 seen = (json.dumps({"pid": os.getpid(), "rank": os.environ.get("RANK"), "preloaded": preloaded, "argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0],
                   "code": coarse2fine.__file__, "greeting": os.environ.get("GREETING"),

@@ -2,15 +2,17 @@
 to the run that made its outputs (coarse2fine.tracking, "Lineage").
 
 dvc.yaml runs it last at every `dvc repro` (always_changed), as plain `python`: it only talks to MLflow, and not
-even that when the last record saw this pipeline, these outputs and this store (tracking.identity.LineageMark).
+even that when the last record saw this pipeline, these outputs and this store (tracking.identity.LineageMark);
+under a stage server (coarse2fine.stage_server) it records in a fork of the server, MLflow already imported.
 """
 
 import argparse
+import sys
 from pathlib import Path
 
 import yaml
 
-from coarse2fine import cli
+from coarse2fine import cli, stage_server
 from coarse2fine.config import Params
 from coarse2fine.errors import UserError
 from coarse2fine.tracking.identity import LineageMark, tracking_uri
@@ -23,7 +25,9 @@ def main(params: Params, args: argparse.Namespace) -> None:
     mark = LineageMark(params, lock, tracking_uri())
     if mark.is_recorded():
         return
-    from coarse2fine.tracking.lineage import record_lineage  # MLflow's import: seconds, paid only to record
+    # MLflow's import and its store's: seconds, paid only to record, and not at all in a stage server's fork.
+    stage_server.run_there_if_asked({"script": __file__, "argv": sys.argv[1:]})
+    from coarse2fine.tracking.lineage import record_lineage
 
     lines = record_lineage(params, lock)
     if lines is None:

@@ -396,6 +396,7 @@ def test_the_git_commit_tag_is_mlflows():
     assert GIT_COMMIT_TAG == MLFLOW_GIT_COMMIT  # spelled out in identity.py, which must not import mlflow
 
 
+@pytest.mark.own_processes  # its subject is what the stage's process imports (in a stage server, a fork records)
 def test_a_lineage_with_nothing_new_to_record_does_not_import_mlflow(workdir, store, request):
     """stages/lineage.py as dvc.yaml runs it, under `python -X importtime`: the first run records (and imports
     MLflow), a second with the same pipeline, outputs and store prints nothing and imports no MLflow; other

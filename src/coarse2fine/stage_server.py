@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import NoReturn
 
 SERVER_ENV = "COARSE2FINE_STAGE_SERVER"
-# Set in a copy that runs a launcher, for that launcher alone (run_there_if_asked takes it out).
+# Set in every copy, for the program it runs alone (run_there_if_asked takes it out): a copy never hands itself over.
 COPY_ENV = "COARSE2FINE_STAGE_SERVER_COPY"
 SOURCE_DIR = Path(__file__).resolve().parents[1]  # the `src` directory this package was imported from
 # What the launched stages import (a copy imports the rest, and coarse2fine itself, afresh). Only modules whose
@@ -72,7 +72,7 @@ def run_there_if_asked(program: dict) -> None:
     """Run `program` in the stage server (address()) and exit with its status; return if there is none to use,
     after saying why. `program`: {"module": name, "argv": [...]} (`python -m name argv`) or {"script": path,
     "argv": [...]} (`python -u path argv`, as torchrun runs a worker)."""
-    if os.environ.pop(COPY_ENV, None) or not address():  # a copy runs its launcher itself
+    if os.environ.pop(COPY_ENV, None) or not address():  # a copy runs its program itself
         return
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
@@ -252,9 +252,9 @@ def _run_program(request: dict, fds: list[int]) -> NoReturn:
         torch.set_num_threads(int(threads))
     program = request["program"]
     code = 0
+    os.environ[COPY_ENV] = "1"
     try:
         if "module" in program:
-            os.environ[COPY_ENV] = "1"
             sys.argv = ["-m", *program["argv"]]
             runpy.run_module(program["module"], run_name="__main__", alter_sys=True)
         else:

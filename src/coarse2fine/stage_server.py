@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import NoReturn
 
 SERVER_ENV = "COARSE2FINE_STAGE_SERVER"
-# Set in every copy, for the program it runs alone (run_there_if_asked takes it out): a copy never hands itself over.
+# Set in every copy: the program it runs, asking to be handed over (run_there_if_asked takes it out), runs there.
 COPY_ENV = "COARSE2FINE_STAGE_SERVER_COPY"
 SOURCE_DIR = Path(__file__).resolve().parents[1]  # the `src` directory this package was imported from
 # What the launched stages import (a copy imports the rest, and coarse2fine itself, afresh). Only modules whose

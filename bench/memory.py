@@ -43,7 +43,7 @@ import numpy as np
 import psutil
 import yaml
 
-from coarse2fine.stage_server import SERVER_ENV
+from coarse2fine import stage_server
 
 from _common import (
     NEAR_EMPTY, NEAR_EMPTY_TINY, PROJECT_ROOT, ProjectCopy, Repro, add_tiny_argument, goal, header_line,
@@ -78,7 +78,8 @@ def parse_args() -> argparse.Namespace:
                         help="make the project copies and trees here; a finished tree there is reused, as is the "
                              "project copy if made with the same params (default: a temp dir)")
     add_tiny_argument(parser, f"{NEAR_EMPTY_TINY}, 1 pretrain epoch on 1 + 1 photo patches per class (batches of "
-                              "16) and on 10x as many, trees of 100 and 1000 files, 1 timed listing")
+                              "16) and on 10x as many, trees of 100 and 1000 files, 1 timed listing; the stages in "
+                              "a stage server of the bench's own")
     args = parser.parse_args()
     tiny_sizes(parser, args, epochs=1, files=[100, 1000], repeats=1)
     if len(set(args.files)) < 2:
@@ -99,11 +100,16 @@ class Peak:
 
 
 def stage_processes() -> dict[psutil.Process, int]:
-    """Every process under this bench's children (dvc), the children themselves left out, with its RSS."""
+    """Every process under this bench's children (dvc; with --tiny, also its stage server), the children themselves
+    left out, and the server's supervisors too (each only waits for the copy it forked, which runs the stage), with
+    its RSS."""
     sizes = {}
     for tool in psutil.Process().children():
         with contextlib.suppress(psutil.Error):  # a process may end between the listing and the read
-            for process in tool.children(recursive=True):
+            processes = tool.children(recursive=True)
+            if "coarse2fine.stage_server" in tool.cmdline():
+                processes = [process for process in processes if process.ppid() != tool.pid]
+            for process in processes:
                 with contextlib.suppress(psutil.Error):
                     sizes[process] = process.memory_info().rss
     return sizes
@@ -273,7 +279,8 @@ def stages_section(stages: dict, tiny: bool) -> tuple[list[str], str]:
          str(peaks[stage]["processes"]), str(peaks[stage]["samples"])]
         for stage, seconds in stages["stage_seconds"].items()
     ]
-    project = "bench/startup.py's near-empty copy (--tiny)" if tiny else "a project copy of the shipped params.yaml"
+    project = ("bench/startup.py's near-empty copy (--tiny: in a stage server, whose imports every copy's RSS counts)"
+               if tiny else "a project copy of the shipped params.yaml")
     exact = megabytes(stages["largest_process_exact_bytes"])
     sampled = megabytes(max(peak["process_bytes"] for peak in peaks.values()))
     lines = [
@@ -346,11 +353,15 @@ def report(raw: dict, args: argparse.Namespace) -> tuple[str, list[str]]:
 
 def main() -> None:
     args = parse_args()
-    # Every stage in a process of its own under dvc, as users run them: a stage server's (the test suite's, or
-    # `python -m coarse2fine.stage_server`'s) would run them outside the tree sampled here.
-    os.environ.pop(SERVER_ENV, None)
+    # Every stage in a process of its own under dvc, as users run them: another stage server's (the test suite's, or
+    # `python -m coarse2fine.stage_server`'s) would run them outside the trees sampled here. --tiny runs them in a
+    # server of its own, whose copies it samples: the code path in seconds, not a minute of imports per stage (its
+    # RSS then counts the server's imports, shared, in every copy).
+    os.environ.pop(stage_server.SERVER_ENV, None)
     raw: dict = {}
-    with workspace(args.workdir) as work:
+    with workspace(args.workdir) as work, contextlib.ExitStack() as stack:
+        if args.tiny:
+            os.environ[stage_server.SERVER_ENV] = str(stack.enter_context(stage_server.running()))
         if "stages" in args.parts:  # first: getrusage's children are then only this repro (and the copy's git)
             # tiny: the copy bench/startup.py --tiny left in the same --workdir
             raw["stages"] = measure_stages(project_copy(work, NEAR_EMPTY if args.tiny else {}))

@@ -222,9 +222,9 @@ DEFAULT_STAGES = (
 )
 
 
-# 1.3 min tiny on 2 cores, its stages in a stage server of the bench's own (2.5 min in the loaded suite when each ran
-# in its own process): every stage once more in the shared copy, then 2 x 4 launched stages (convert to pretrain) in
-# the 1x/10x copy.
+# 1.3 min alone on 2 cores, 1.6 in the loaded suite, its stages in a stage server of the bench's own (2.5 min when
+# each ran in its own process): every stage once more in the shared copy, then 2 x 4 launched stages (convert to
+# pretrain) in the 1x/10x copy.
 @pytest.mark.slow
 def test_memory_tiny_samples_every_stage_pretrain_at_1x_and_10x_the_records_and_the_listing(
     pipeline_workdir: tuple[Path, str],

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import gc
 import importlib
 import json
 import os
@@ -156,6 +157,9 @@ def serve(address: Path) -> NoReturn:
     from mlflow.utils import requirements_utils
 
     requirements_utils._init_modules_to_packages_map()
+    # Out of the collector's reach: a copy's full collections would otherwise walk every object of these imports
+    # (0.5-0.7 s each time) and write to their pages, which the copies share with the server until written.
+    gc.freeze()
     import torch
 
     if torch.cuda.is_initialized():  # a fork of a process with CUDA initialised cannot use the GPU

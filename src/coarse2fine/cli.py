@@ -12,11 +12,13 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Callable, NoReturn
+from typing import TYPE_CHECKING, Callable, NoReturn
 
-from coarse2fine.config import Params, load_params
 from coarse2fine.errors import UserError
 from coarse2fine.files import atomic_path, sole_writer
+
+if TYPE_CHECKING:
+    from coarse2fine.config import Params
 
 USER_ERROR_EXIT = 2
 # Set by coarse2fine.launch: the directory where a worker leaves its user-error message for the launcher.
@@ -51,6 +53,8 @@ def run(
     """Parse args, validate the whole params file, run `main`, end the process (exit_now); a UserError exits 2 with
     one clear line. `check_model_names=False` skips the model names' check against timm's registry (see
     config.CHECK_MODEL_NAMES). Only a stage script's main program calls it: it never returns."""
+    from coarse2fine.config import load_params  # here, not at the top: the launcher imports cli without pydantic
+
     args = parser.parse_args()
     die_with_the_launcher()
     try:

@@ -38,7 +38,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from coarse2fine import stage_server
+from coarse2fine import cli, stage_server
 from coarse2fine.errors import UserError
 
 if TYPE_CHECKING:
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     # the params schema (0.2 s).
     from torch.distributed import run as torchrun
 
-    from coarse2fine import cli, slurm
+    from coarse2fine import slurm
     from coarse2fine.config import load_params
 
     dry_run = os.environ.get(slurm.DRY_RUN_ENV) == "1"
@@ -125,8 +125,6 @@ def _launch_here(args: argparse.Namespace) -> None:
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from coarse2fine import cli
-
     _quiet_elastic_agent()
     # torch 2.14 shares the rendezvous' TCP store with the workers across restarts without a per-attempt prefix
     # (despite its comment in torch/distributed/rendezvous.py), so a restarted group's gloo reads the killed
@@ -167,8 +165,6 @@ def _user_errors(failure: ChildFailedError, error_dir: Path) -> list[str]:
     """The distinct user-error messages, if a worker stopped on one and every other failed worker was stopped
     by the agent (SIGTERM: a consequence, not a second failure). Which of them torch calls the first failure
     is a race (error-file timestamps in whole seconds; a rank stopped mid-exit may have written one first)."""
-    from coarse2fine import cli
-
     exit_codes = {process.exitcode for process in failure.failures.values()}
     if cli.USER_ERROR_EXIT not in exit_codes or not exit_codes <= {cli.USER_ERROR_EXIT, -signal.SIGTERM}:
         return []

@@ -134,22 +134,17 @@ def test_gpu_defaults_are_cudnn_autotuning_and_tf32_matmuls_set_without_a_warnin
         torch.set_float32_matmul_precision(saved[1])
 
 
-@pytest.mark.parametrize(
-    ("name", "convnet"), [("resnet10t", True), ("volo_custom", False), ("vit_tiny_patch16_224", False)]
-)
-def test_channels_last_is_for_cnns(name, convnet):
+@pytest.mark.parametrize("name", ["resnet10t", CUSTOM_MODEL, "vit_tiny_patch16_224"])
+def test_a_placed_model_keeps_contiguous_parameters_and_computes_the_same_on_channels_last_images(name):
+    """The loaders' images are channels-last (oneDNN's and cuDNN's fast convolutions); the parameters stay as
+    built, which FSDP2 needs (it shards contiguous parameters only)."""
     model_cfg = CustomVolo() if name == CUSTOM_MODEL else TimmModel(name=name)
-    assert distributed.is_convnet(models.build_model(model_cfg, num_classes=10, img_size=32)) is convnet
-
-
-def test_place_keeps_the_cpu_layout_and_puts_a_cnn_in_channels_last_on_a_gpu(monkeypatch):
-    model = models.build_model(TimmModel(name="resnet10t"), num_classes=10, img_size=32)
-    assert cpu_runtime().place(model).conv1[0].weight.is_contiguous()
-    moves = []
-    monkeypatch.setattr(model, "to", lambda *args, **kwargs: moves.append((args, kwargs)) or model)
-    gpu = Runtime(rank=0, world_size=8, local_rank=0, device=torch.device("cuda", 0))
-    gpu.place(model)
-    assert moves == [((torch.device("cuda", 0),), {"memory_format": torch.channels_last})]
+    torch.manual_seed(0)
+    model = cpu_runtime().place(models.build_model(model_cfg, num_classes=10, img_size=32).eval())
+    assert all(parameter.is_contiguous() for parameter in model.parameters())
+    images = torch.randn(2, 3, 32, 32)
+    with torch.inference_mode():
+        torch.testing.assert_close(model(images.contiguous(memory_format=torch.channels_last)), model(images))
 
 
 def test_the_startup_line_says_device_backend_precision_and_loader_graph():

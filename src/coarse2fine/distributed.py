@@ -4,9 +4,9 @@ Stages are launched by torchrun (which sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_
 run as a plain `python stages/x.py` they fall back to a world of one. Device: `launch.device` (`select_device`):
 one GPU per local rank, never shared, and `cuda` never falls back to the CPU. Backend: nccl for CUDA tensors with
 gloo for CPU tensors on GPU machines, gloo otherwise (`group_backend`). On a GPU: cuDNN autotuning and TF32
-matmuls (`use_gpu_defaults`), channels-last CNNs (`Runtime.place`), fused AdamW (`Runtime.fused_optimizer`),
-timings that wait for the device (`Runtime.synchronize`). Every stage says which of these it runs with in one
-line at start (`Runtime.announce`). Every collective of the project goes through here.
+matmuls (`use_gpu_defaults`), fused AdamW (`Runtime.fused_optimizer`), timings that wait for the device
+(`Runtime.synchronize`). Every stage says which of these it runs with in one line at start (`Runtime.announce`).
+Every collective of the project goes through here.
 """
 
 from __future__ import annotations
@@ -65,10 +65,8 @@ class Runtime:
         return PRECISION_DTYPES[self.precision(precision)]
 
     def place(self, model: nn.Module) -> nn.Module:
-        """`model` on this rank's device (in place, returned); a CNN on a GPU in channels-last, whose convolutions
-        cuDNN runs on tensor cores without transposes (timm's train.py --channels-last)."""
-        if self.is_cuda and is_convnet(model):
-            return model.to(self.device, memory_format=torch.channels_last)
+        """`model` on this rank's device (in place, returned). Its parameters keep their layout (FSDP2 shards
+        contiguous ones only); the loaders' channels-last images make the convolutions NHWC (`data.loaders`)."""
         return model.to(self.device)
 
     def data_view(self, dims: ParallelDims) -> Runtime:
@@ -106,12 +104,6 @@ def loader_graph(loader: str, runtime: Runtime) -> str:
     if loader == "dali":
         return "gpu graph" if runtime.is_cuda else "cpu graph"
     return "cpu workers"
-
-
-def is_convnet(model: nn.Module) -> bool:
-    """timm's transformers embed patches (`patch_embed`: ViT, DeiT, VOLO, Swin); what has none is a CNN (ResNet,
-    NFNet, EfficientNet, ConvNeXt)."""
-    return not hasattr(model, "patch_embed")
 
 
 def init(device: str = "auto") -> Runtime:

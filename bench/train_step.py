@@ -1,9 +1,11 @@
 """Training-step throughput (img/s, fp32, CPU): the project's Trainer against a bare hand-written PyTorch loop.
 
-Same tiny VOLO (params.yaml model defaults), same batch (pretrain defaults: 64 x 3 x 32 x 32), same AdamW and
+Same tiny VOLO (params.yaml model defaults), same batch (pretrain defaults: 64 x 3 x 48 x 48), same AdamW and
 label-smoothed cross-entropy on the same logits (model(x) = class logits + 0.5 x best token logits), on random
 tensors loaded before timing, so only the training step is compared, never data loading. Rows:
 - bare loop: forward_train + head, loss, backward, torch.optim.AdamW step, zero_grad;
+- bare loop, NCHW images: the same on contiguous images, where the loaders give channels-last ones (the stem's
+  convolutions then run NHWC): what that layout is worth;
 - Trainer step: coarse2fine.train.Trainer.backward + optimizer_step (timm optimizer, per-update LR schedule,
   grad scaler pass-through, autocast context);
 - Trainer epoch: Trainer._train_epoch over an in-memory loader yielding the same batches (adds the epoch loop:
@@ -55,6 +57,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--patch-size", type=int, metavar="N",
                         help="model.patch_size (default: params.yaml's 4, i.e. 4 x 4 tokens at 32 px; 8 gives 2 x 2)")
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write the raw numbers (every repeat) as JSON")
+    parser.add_argument("--profile", action="store_true",
+                        help="then print torch.profiler's operators over one bare-loop call, by self CPU time")
     add_tiny_argument(parser, f"--steps 1, --repeats 1, pretrain.batch_size {TINY_BATCH}")
     args = parser.parse_args()
     tiny_sizes(parser, args, steps=1, repeats=1)
@@ -62,8 +66,8 @@ def parse_args() -> argparse.Namespace:
 
 
 def random_batches(params: Params, count: int) -> list[dict[str, torch.Tensor]]:
-    """Batches as the loaders give them: images, labels, record indices (batch i holds records i*B..), random
-    crop windows inside the image and random flips."""
+    """Batches as the loaders give them: channels-last images, labels, record indices (batch i holds records
+    i*B..), random crop windows inside the image and random flips."""
     cfg = params.pretrain
     generator = torch.Generator().manual_seed(params.seed)
     batches = []
@@ -72,7 +76,9 @@ def random_batches(params: Params, count: int) -> list[dict[str, torch.Tensor]]:
         top_left = torch.rand(cfg.batch_size, 2, generator=generator) * (1 - size)
         batches.append(
             {
-                "image": torch.randn(cfg.batch_size, 3, cfg.img_size, cfg.img_size, generator=generator),
+                "image": torch.randn(cfg.batch_size, 3, cfg.img_size, cfg.img_size, generator=generator).contiguous(
+                    memory_format=torch.channels_last
+                ),
                 "label": torch.randint(NUM_CLASSES, (cfg.batch_size,), generator=generator),
                 "index": torch.arange(step * cfg.batch_size, (step + 1) * cfg.batch_size),
                 "window": torch.cat([top_left, size], dim=1),
@@ -99,7 +105,12 @@ def new_model(params: Params, mix_token: bool = False) -> torch.nn.Module:
     )
 
 
+def contiguous_images(batches: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+    return [{**batch, "image": batch["image"].contiguous()} for batch in batches]
+
+
 TOKEN_LABEL_ROW = "Trainer step + token labels + MixToken"
+CONTIGUOUS_ROW = "bare loop, NCHW images (not the loaders' channels-last)"
 
 
 def token_grid(params: Params) -> int:
@@ -253,6 +264,7 @@ def main() -> None:
         store = random_token_labels(Path(scratch) / "token_labels", args.steps * params.pretrain.batch_size, params.seed)
         variants = {
             "bare loop": CpuTimed(BareLoop(params, batches)),
+            CONTIGUOUS_ROW: CpuTimed(BareLoop(params, contiguous_images(batches))),
             "Trainer step": CpuTimed(TrainerSteps(new_trainer(params, batches, Path(scratch)))),
             "Trainer epoch": CpuTimed(TrainerEpoch(new_trainer(params, batches, Path(scratch)))),
             "Trainer step + token labels": CpuTimed(
@@ -267,6 +279,19 @@ def main() -> None:
     text, raw = report(rates, cpu_rates, params, args)
     print(text)
     write_json(args, text, raw)
+    if args.profile:
+        print(f"\nWhere the bare loop's time goes (torch.profiler, one call of {args.steps} steps after a warm-up one):")
+        print(operator_profile(BareLoop(params, batches)))
+
+
+def operator_profile(call: BareLoop, rows: int = 12) -> str:
+    """torch.profiler's operator table over one call, by self CPU time (the threads' time inside each operator)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    call()
+    with profile(activities=[ProfilerActivity.CPU]) as profiler:
+        call()
+    return profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
 
 
 if __name__ == "__main__":

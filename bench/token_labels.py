@@ -13,8 +13,7 @@ temporary directory. Each option overrides one of them. Rows:
   metric): from starting the loader workers to the last batch written, without opening the records, probing
   the score grid, allocating the arrays and publishing the store;
 - teacher bare forward: teacher(x) under torch.inference_mode on the same images, pre-loaded as normalised float
-  batches of the same size and layout (TrainRecords items, channels-last and normalised as generate() does): no
-  I/O, no top-k, no store;
+  batches of the same size (TrainRecords items, normalised as generate() does): no I/O, no top-k, no store;
 - dense head only: dense_head(teacher)(x) on the same pre-loaded batches: the head's cost without the loop.
 Ratios are against the bare forward (the goal: generation at least 0.8x of it). One call per row per
 repeat, over every train record, after one untimed warm-up call each, repeats interleaved (see _common.py).
@@ -103,11 +102,10 @@ class GenerateCalls:
 
 
 def preloaded_batches(records_dir: Path, view: View, batch_size: int) -> list[torch.Tensor]:
-    """Every train record as generate() feeds it to the teacher: its view, channels-last, normalised, in batches of
-    batch_size in record order (generate()'s batches: its chunks are whole batches)."""
+    """Every train record as generate() feeds it to the teacher: its view, normalised, in batches of batch_size
+    in record order (generate()'s batches: its chunks are whole batches)."""
     dataset = TrainRecords(records_dir, view)
     images = torch.stack([dataset[position][0] for position in range(len(dataset))])
-    images = images.contiguous(memory_format=torch.channels_last)
     mean = torch.tensor(IMAGE_MEAN).view(1, 3, 1, 1) * 255
     std = torch.tensor(IMAGE_STD).view(1, 3, 1, 1) * 255
     return list(((images.float() - mean) / std).split(batch_size))

@@ -24,7 +24,7 @@ PROJECT_ROOT = Path(__file__).resolve().parents[1]
 # A timm source checkout (train.py is not in the wheel, and tests download nothing): CI has none.
 TIMM_REPO = os.environ.get("C2F_TIMM_REPO")
 PROJECT_ROWS = ("pretrain stage, ground truth", "pretrain stage, token labels")
-TIMM_ROWS = ("timm train.py", "timm train.py --channels-last", "timm train.py, OMP_NUM_THREADS=1")
+TIMM_ROWS = ("timm train.py", "timm train.py, OMP_NUM_THREADS=1")
 
 
 def table_rows(report: str) -> dict[str, list[str]]:
@@ -93,7 +93,7 @@ def test_peer_tiny_without_timm_reports_its_rows_as_not_run(peer_report: str) ->
     if TIMM_REPO:
         pytest.skip("C2F_TIMM_REPO is set: timm's rows ran (the test below checks them)")
     rows = table_rows(peer_report)
-    assert [rows[name][0] for name in TIMM_ROWS] == ["not run (no --timm-repo)"] * len(TIMM_ROWS)
+    assert [rows[name][0] for name in TIMM_ROWS] == ["not run (no --timm-repo)"] * 2
     assert all(line.endswith("not checked (timm train.py not run: no --timm-repo)") for line in goal_lines(peer_report))
 
 
@@ -107,7 +107,7 @@ def test_peer_tiny_compares_with_timm_train_py(peer_report: str) -> None:
         assert float(img_per_s) > 0 and float(seconds) > 0 and 0 <= float(top1) <= 100
     ratios = {name: rows[name][1] for name in [*PROJECT_ROWS, *TIMM_ROWS]}
     assert all(re.fullmatch(r"\d+\.\d\dx", ratio) for ratio in ratios.values()), ratios
-    assert "1.00x" in (ratios[name] for name in TIMM_ROWS)  # the fastest timm: the reference
+    assert "1.00x" in (ratios[name] for name in TIMM_ROWS)  # the faster timm: the reference
     assert set(verdicts(peer_report)) <= {"met", "MISSED"}
 
 
@@ -302,12 +302,21 @@ def test_train_step_tiny_times_the_trainer_against_a_bare_loop() -> None:
     report = run_bench("train_step", "--tiny")
     rows = first_table(report)
     assert [row[0] for row in rows] == [
-        "bare loop", "bare loop, NCHW images (not the loaders' channels-last)", "Trainer step", "Trainer epoch",
-        "Trainer step + token labels",
+        "bare loop", "Trainer step", "Trainer epoch", "Trainer step + token labels",
         "Trainer step + token labels + MixToken",
     ]
     assert_cells(rows, NUMBER, RATIO, RANGE, NUMBER, RATIO)
     assert set(verdicts(report)) <= {"met", "MISSED"}
+
+
+def test_layout_tiny_times_channels_last_images_against_nchw() -> None:
+    report = run_bench("layout", "--tiny")
+    rows = first_table(report)
+    works = ["teacher (resnet10t, 32 px) training step", "teacher (resnet10t, 32 px) forward (generation)",
+             "student (volo_custom, 32 px) training step"]
+    assert [(row[0], row[1]) for row in rows] == [(work, layout) for work in works for layout in ("NCHW", "channels-last")]
+    assert_cells(rows, r"NCHW|channels-last", NUMBER, RATIO, RANGE, RATIO)
+    assert {row[3] for row in rows if row[1] == "NCHW"} == {"1.000x"}
 
 
 @pytest.mark.slow

@@ -136,8 +136,8 @@ def test_gpu_defaults_are_cudnn_autotuning_and_tf32_matmuls_set_without_a_warnin
 
 @pytest.mark.parametrize("name", ["resnet10t", CUSTOM_MODEL, "vit_tiny_patch16_224"])
 def test_a_placed_model_keeps_contiguous_parameters_and_computes_the_same_on_channels_last_images(name):
-    """The loaders' images are channels-last (oneDNN's and cuDNN's fast convolutions); the parameters stay as
-    built, which FSDP2 needs (it shards contiguous parameters only)."""
+    """A GPU's images are channels-last (cuDNN's fast convolutions); the parameters stay as built, which FSDP2
+    needs (it shards contiguous parameters only)."""
     model_cfg = CustomVolo() if name == CUSTOM_MODEL else TimmModel(name=name)
     torch.manual_seed(0)
     model = cpu_runtime().place(models.build_model(model_cfg, num_classes=10, img_size=32).eval())
@@ -145,6 +145,12 @@ def test_a_placed_model_keeps_contiguous_parameters_and_computes_the_same_on_cha
     images = torch.randn(2, 3, 32, 32)
     with torch.inference_mode():
         torch.testing.assert_close(model(images.contiguous(memory_format=torch.channels_last)), model(images))
+
+
+def test_images_are_channels_last_on_a_gpu_and_contiguous_on_a_cpu():
+    gpu = Runtime(rank=0, world_size=8, local_rank=0, device=torch.device("cuda", 0))
+    assert gpu.image_memory_format is torch.channels_last
+    assert cpu_runtime().image_memory_format is torch.contiguous_format
 
 
 def test_the_startup_line_says_device_backend_precision_and_loader_graph():

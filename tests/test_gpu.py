@@ -63,6 +63,7 @@ def test_the_dali_gpu_graphs_give_cuda_batches(digits_records, split):
     assert loader.backend == "dali"
     assert batch["image"].device.type == "cuda" and batch["image"].shape == (16, 3, IMG_SIZE, IMG_SIZE)
     assert batch["image"].isfinite().all() and batch["image"].abs().max() < 10  # normalised
+    assert batch["image"].is_contiguous(memory_format=torch.channels_last)  # cuDNN's NHWC convolutions
     assert all(value.device.type == "cuda" for value in batch.values())
 
 

@@ -4,8 +4,8 @@ Stages are launched by torchrun (which sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_
 run as a plain `python stages/x.py` they fall back to a world of one. Device: `launch.device` (`select_device`):
 one GPU per local rank, never shared, and `cuda` never falls back to the CPU. Backend: nccl for CUDA tensors with
 gloo for CPU tensors on GPU machines, gloo otherwise (`group_backend`). On a GPU: cuDNN autotuning and TF32
-matmuls (`use_gpu_defaults`), fused AdamW (`Runtime.fused_optimizer`), timings that wait for the device
-(`Runtime.synchronize`). Every stage says which of these it runs with in one line at start (`Runtime.announce`).
+matmuls (`use_gpu_defaults`), channels-last images (`Runtime.image_memory_format`), fused AdamW
+(`Runtime.fused_optimizer`), timings that wait for the device (`Runtime.synchronize`). Every stage says which of these it runs with in one line at start (`Runtime.announce`).
 Every collective of the project goes through here.
 """
 
@@ -65,9 +65,20 @@ class Runtime:
         return PRECISION_DTYPES[self.precision(precision)]
 
     def place(self, model: nn.Module) -> nn.Module:
-        """`model` on this rank's device (in place, returned). Its parameters keep their layout (FSDP2 shards
-        contiguous ones only); the loaders' channels-last images make the convolutions NHWC (`data.loaders`)."""
+        """`model` on this rank's device (in place, returned). Its parameters keep their layout: FSDP2 shards
+        contiguous ones only, and channels-last images are enough to make the convolutions NHWC
+        (`image_memory_format`)."""
         return model.to(self.device)
+
+    @property
+    def image_memory_format(self) -> torch.memory_format:
+        """The layout of the images the loaders and token-label generation give the model. Channels-last on a GPU
+        (timm's train.py --channels-last): cuDNN runs NHWC convolutions on tensor cores without transposes. NCHW
+        on a CPU, though oneDNN is faster NHWC there too (`python bench/layout.py`, 2 cores: a training step of
+        the default teacher 1.04-1.11x, of the default student 1.09-1.14x): it rounds differently, and the
+        default pipeline then ended elsewhere in its seed spread (the fine-tuned model 82.2 % against the
+        README's 86.3), so the README's CPU results would no longer be what `make repro` gives."""
+        return torch.channels_last if self.is_cuda else torch.contiguous_format
 
     def data_view(self, dims: ParallelDims) -> Runtime:
         """This runtime as the training data sees it: its rank and world on the mesh's data dimension

@@ -299,11 +299,7 @@ class Loader:
         if settings.split == "train":
             batch = with_target_inputs(batch, self._token_labels, pin=runtime.is_cuda)
         batch = {key: value.to(runtime.device, non_blocking=runtime.is_cuda) for key, value in batch.items()}
-        # Channels-last images (NHWC in memory): every convolution after them runs NHWC, oneDNN's and cuDNN's fast
-        # layout, with the weights as they are (FSDP2 shards contiguous parameters only). A training step on 2 CPU
-        # cores, interleaved: the default teacher 1.12x, the default VOLO student 1.22x (its stem's convolutions
-        # are 40 % of its step).
-        batch["image"] = batch["image"].contiguous(memory_format=torch.channels_last)
+        batch["image"] = batch["image"].contiguous(memory_format=runtime.image_memory_format)
         return batch
 
 

@@ -1,6 +1,6 @@
 """Run every benchmark in sequence (never concurrently) and print their reports: loader (plain, then with the
-recipe's RandAugment and random erasing: loader_recipe), loader_profile, rand_augment, convert, train_step, caching,
-startup, token_labels, memory, and peer (timm's train.py) when --timm-repo is given. `make bench` runs this.
+recipe's RandAugment and random erasing: loader_recipe), loader_profile, rand_augment, convert, train_step, layout,
+caching, startup, token_labels, memory, and peer (timm's train.py) when --timm-repo is given. `make bench` runs this.
 
 Each benchmark's progress goes to stderr, its report (header line, markdown table, goals) to stdout; with
 --json-dir DIR each also writes DIR/<name>.json. A failing benchmark is reported and the others still run; the
@@ -16,8 +16,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 BENCHMARKS = (
-    "loader", "loader_recipe", "loader_profile", "rand_augment", "convert", "train_step", "caching", "startup",
-    "token_labels", "memory",
+    "loader", "loader_recipe", "loader_profile", "rand_augment", "convert", "train_step", "layout", "caching",
+    "startup", "token_labels", "memory",
 )
 # name -> (script, its options): the recipe's train augment (sail-sg/volo: --aa rand-m9-mstd0.5-inc1 --reprob 0.25).
 SCRIPTS = {"loader_recipe": ("loader", ["--rand-augment", "rand-m9-mstd0.5-inc1", "--reprob", "0.25"])}

@@ -4,8 +4,6 @@ Same tiny VOLO (params.yaml model defaults), same batch (pretrain defaults: 64 x
 label-smoothed cross-entropy on the same logits (model(x) = class logits + 0.5 x best token logits), on random
 tensors loaded before timing, so only the training step is compared, never data loading. Rows:
 - bare loop: forward_train + head, loss, backward, torch.optim.AdamW step, zero_grad;
-- bare loop, NCHW images: the same on contiguous images, where the loaders give channels-last ones (the stem's
-  convolutions then run NHWC): what that layout is worth;
 - Trainer step: coarse2fine.train.Trainer.backward + optimizer_step (timm optimizer, per-update LR schedule,
   grad scaler pass-through, autocast context);
 - Trainer epoch: Trainer._train_epoch over an in-memory loader yielding the same batches (adds the epoch loop:
@@ -66,8 +64,8 @@ def parse_args() -> argparse.Namespace:
 
 
 def random_batches(params: Params, count: int) -> list[dict[str, torch.Tensor]]:
-    """Batches as the loaders give them: channels-last images, labels, record indices (batch i holds records
-    i*B..), random crop windows inside the image and random flips."""
+    """Batches as the loaders give them on a CPU: images, labels, record indices (batch i holds records i*B..),
+    random crop windows inside the image and random flips."""
     cfg = params.pretrain
     generator = torch.Generator().manual_seed(params.seed)
     batches = []
@@ -76,9 +74,7 @@ def random_batches(params: Params, count: int) -> list[dict[str, torch.Tensor]]:
         top_left = torch.rand(cfg.batch_size, 2, generator=generator) * (1 - size)
         batches.append(
             {
-                "image": torch.randn(cfg.batch_size, 3, cfg.img_size, cfg.img_size, generator=generator).contiguous(
-                    memory_format=torch.channels_last
-                ),
+                "image": torch.randn(cfg.batch_size, 3, cfg.img_size, cfg.img_size, generator=generator),
                 "label": torch.randint(NUM_CLASSES, (cfg.batch_size,), generator=generator),
                 "index": torch.arange(step * cfg.batch_size, (step + 1) * cfg.batch_size),
                 "window": torch.cat([top_left, size], dim=1),
@@ -105,12 +101,7 @@ def new_model(params: Params, mix_token: bool = False) -> torch.nn.Module:
     )
 
 
-def contiguous_images(batches: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
-    return [{**batch, "image": batch["image"].contiguous()} for batch in batches]
-
-
 TOKEN_LABEL_ROW = "Trainer step + token labels + MixToken"
-CONTIGUOUS_ROW = "bare loop, NCHW images (not the loaders' channels-last)"
 
 
 def token_grid(params: Params) -> int:
@@ -264,7 +255,6 @@ def main() -> None:
         store = random_token_labels(Path(scratch) / "token_labels", args.steps * params.pretrain.batch_size, params.seed)
         variants = {
             "bare loop": CpuTimed(BareLoop(params, batches)),
-            CONTIGUOUS_ROW: CpuTimed(BareLoop(params, contiguous_images(batches))),
             "Trainer step": CpuTimed(TrainerSteps(new_trainer(params, batches, Path(scratch)))),
             "Trainer epoch": CpuTimed(TrainerEpoch(new_trainer(params, batches, Path(scratch)))),
             "Trainer step + token labels": CpuTimed(

@@ -1,4 +1,5 @@
-"""Channels-last images against contiguous (NCHW) ones: what the loaders' layout (data.loaders.Loader) is worth.
+"""Channels-last images against contiguous (NCHW) ones on the CPU: what the GPU path's layout of the images
+(coarse2fine.distributed.Runtime.image_memory_format, NCHW on a CPU: the README says why) would be worth here.
 
 params.yaml's teacher (teacher.model at teacher.img_size, output stride included) and student (model.* at
 pretrain.img_size), built as the stages build them (random weights, CPU, fp32), each fed the same random batch of
@@ -26,7 +27,7 @@ from _common import (
     PROJECT_ROOT, CpuTimed, add_tiny_argument, header_line, interleaved, markdown_table, tiny_sizes, write_json
 )
 from coarse2fine import models
-from coarse2fine.config import Params, load_params
+from coarse2fine.config import Model, Params, load_params
 
 NUM_CLASSES = 10
 LAYOUTS = {"NCHW": torch.contiguous_format, "channels-last": torch.channels_last}
@@ -71,6 +72,12 @@ class Forwards:
         return self.steps * len(self.images)
 
 
+def seeded_model(model_cfg: Model, size: int, seed: int) -> torch.nn.Module:
+    """The model as its stage builds it, with the weights `seed` gives (the same in every call)."""
+    torch.manual_seed(seed)
+    return models.build_model(model_cfg, NUM_CLASSES, size)
+
+
 def variants(params: Params, args: argparse.Namespace) -> dict[str, CpuTimed]:
     """One call per (model, work, layout), each on its own model built from the same seed: the same weights."""
     batch_size = 4 if args.tiny else params.pretrain.batch_size
@@ -84,20 +91,16 @@ def variants(params: Params, args: argparse.Namespace) -> dict[str, CpuTimed]:
         name = f"{role} ({model_cfg.name}, {size} px)"
         images = torch.randn(batch_size, 3, size, size, generator=generator)
         labels = torch.randint(NUM_CLASSES, (batch_size,), generator=generator)
-
-        def built() -> torch.nn.Module:
-            torch.manual_seed(params.seed)
-            return models.build_model(model_cfg, NUM_CLASSES, size)
-
         for layout, memory_format in LAYOUTS.items():
             calls[f"{name} training step, {layout}"] = TrainSteps(
-                built(), images.contiguous(memory_format=memory_format), labels, args.steps,
-                params.pretrain.label_smoothing,
+                seeded_model(model_cfg, size, params.seed), images.contiguous(memory_format=memory_format), labels,
+                args.steps, params.pretrain.label_smoothing,
             )
         if role == "teacher":
             for layout, memory_format in LAYOUTS.items():
                 calls[f"{name} forward (generation), {layout}"] = Forwards(
-                    built(), images.contiguous(memory_format=memory_format), args.steps
+                    seeded_model(model_cfg, size, params.seed), images.contiguous(memory_format=memory_format),
+                    args.steps,
                 )
     return {name: CpuTimed(call) for name, call in calls.items()}
 

@@ -232,6 +232,12 @@ def add_common_arguments(parser: argparse.ArgumentParser, *, repeats: int) -> No
     )
 
 
+def add_threads_argument(parser: argparse.ArgumentParser) -> None:
+    """--threads: torch's intra-op threads for a bench that times training steps in its own process."""
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), metavar="N",
+                        help=f"torch intra-op threads (default: {torch.get_num_threads()}, this machine's default)")
+
+
 def add_tiny_argument(parser: argparse.ArgumentParser, sizes: str) -> None:
     parser.add_argument(
         "--tiny", action="store_true",

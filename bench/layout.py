@@ -24,7 +24,8 @@ from typing import Callable
 import torch
 
 from _common import (
-    PROJECT_ROOT, CpuTimed, add_tiny_argument, header_line, interleaved, markdown_table, tiny_sizes, write_json
+    PROJECT_ROOT, CpuTimed, add_threads_argument, add_tiny_argument, header_line, interleaved, markdown_table,
+    tiny_sizes, write_json,
 )
 from coarse2fine import models
 from coarse2fine.config import Model, Params, load_params
@@ -35,10 +36,9 @@ LAYOUTS = {"NCHW": torch.contiguous_format, "channels-last": torch.channels_last
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=4, metavar="N", help="steps (forwards) per timed call (default: 4)")
+    parser.add_argument("--steps", type=int, default=4, metavar="N", help="steps (forwards) per call (default: 4)")
     parser.add_argument("--repeats", type=int, default=6, metavar="N", help="timed calls per row (default: 6)")
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), metavar="N",
-                        help=f"torch intra-op threads (default: {torch.get_num_threads()}, this machine's default)")
+    add_threads_argument(parser)
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write the raw numbers (every repeat) as JSON")
     add_tiny_argument(parser, "--steps 1, --repeats 1, batch 4 at 32 px")
     args = parser.parse_args()

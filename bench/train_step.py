@@ -30,7 +30,8 @@ import torch
 import yaml
 
 from _common import (
-    CPU, PROJECT_ROOT, CpuTimed, add_tiny_argument, goal, header_line, interleaved, markdown_table, tiny_sizes, write_json
+    CPU, PROJECT_ROOT, CpuTimed, add_threads_argument, add_tiny_argument, goal, header_line, interleaved,
+    markdown_table, tiny_sizes, write_json,
 )
 from coarse2fine import losses, models
 from coarse2fine.config import Params, parse_params
@@ -50,8 +51,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=20, metavar="N", help="training steps per timed call (default: 20)")
     parser.add_argument("--repeats", type=int, default=7, metavar="N", help="timed calls per row (default: 7)")
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), metavar="N",
-                        help=f"torch intra-op threads (default: {torch.get_num_threads()}, this machine's default)")
+    add_threads_argument(parser)
     parser.add_argument("--patch-size", type=int, metavar="N",
                         help="model.patch_size (default: params.yaml's 4, i.e. 4 x 4 tokens at 32 px; 8 gives 2 x 2)")
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write the raw numbers (every repeat) as JSON")

@@ -5,8 +5,8 @@ run as a plain `python stages/x.py` they fall back to a world of one. Device: `l
 one GPU per local rank, never shared, and `cuda` never falls back to the CPU. Backend: nccl for CUDA tensors with
 gloo for CPU tensors on GPU machines, gloo otherwise (`group_backend`). On a GPU: cuDNN autotuning and TF32
 matmuls (`use_gpu_defaults`), channels-last images (`Runtime.image_memory_format`), fused AdamW
-(`Runtime.fused_optimizer`), timings that wait for the device (`Runtime.synchronize`). Every stage says which of these it runs with in one line at start (`Runtime.announce`).
-Every collective of the project goes through here.
+(`Runtime.fused_optimizer`), timings that wait for the device (`Runtime.synchronize`). Every stage says which of
+these it runs with in one line at start (`Runtime.announce`). Every collective of the project goes through here.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ import json
 import os
 import resource
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -38,13 +39,40 @@ def test_several_nodes_meet_at_the_c10d_endpoint():
 
 
 def test_in_a_slurm_allocation_they_meet_on_its_first_node_under_the_job_s_id():
-    job = slurm.Allocation(job_id="4242", first_node_address="10.0.0.7", cpus_per_task="16")
+    job = slurm.Allocation(job_id="4242", first_node="gpu-07", first_node_address="10.0.0.7", cpus_per_task="16")
     settings = Launch(scheduler="slurm", nnodes=2, nproc_per_node=8, rdzv_endpoint="ignored:29500")
     options = launch.torchrun_options(settings, job)
     assert options[-2:] == ["--rdzv_endpoint=10.0.0.7:29500", "--rdzv_id=coarse2fine-4242"]
     assert slurm.srun_command(settings, job, ["agent"]) == [
         "srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "--cpus-per-task=16", "agent",
     ]
+
+
+def test_only_the_agent_on_the_first_node_hosts_the_rendezvous():
+    assert slurm.rendezvous_host_option({"SLURMD_NODENAME": "gpu-07"}, first_node="gpu-07") == "--rdzv_conf=is_host=1"
+    assert slurm.rendezvous_host_option({"SLURMD_NODENAME": "gpu-08"}, first_node="gpu-07") == "--rdzv_conf=is_host=0"
+
+
+def test_a_first_node_agent_whose_rendezvous_port_is_taken_says_so_in_one_line(tmp_path):
+    """The first node's agent (srun's environment, as the launcher sets it) finds the port busy: exit 2 and a line
+    naming the key, not a join of whatever listens there (torch's guess), which would wait until its timeout."""
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({"launch": {"scheduler": "slurm", "nnodes": 2}}))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {**os.environ, launch.SLURM_AGENT_ENV: "n1", "SLURMD_NODENAME": "n1", "SLURM_JOB_ID": "7"}
+        agent = [sys.executable, "-m", "coarse2fine.launch", *launch.torchrun_options(
+            Launch(scheduler="slurm", nnodes=2, rdzv_endpoint=f"ignored:{port}"),
+            slurm.Allocation(job_id="7", first_node="n1", first_node_address="127.0.0.1", cpus_per_task=None),
+        ), "stages/pretrain.py", "--params", str(params)]
+        result = subprocess.run(agent, env=env, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: launch.rdzv_endpoint: port {port} is taken on this node ({socket.gethostname()}), by another job's "
+        f"rendezvous or another program: set launch.rdzv_endpoint to a free port"
+    )
 
 
 def test_slurm_outside_an_allocation_or_too_small_a_one_is_one_line(tmp_path):

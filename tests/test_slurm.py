@@ -110,6 +110,15 @@ def slurm_cluster(tmp_path_factory) -> dict[str, str]:
         log.close()
 
 
+def failure_excerpt(log: str, context: int = 30) -> str:
+    """The first traceback or error line of a job's log with what led to it, then the log's end: the first failure
+    is the cause, what srun's --kill-on-bad-exit stopped next is not, and either can be thousands of lines long."""
+    lines = log.splitlines()
+    first = next((i for i, line in enumerate(lines) if line.startswith("Traceback") or "error" in line.lower()), None)
+    head = [] if first is None else lines[max(0, first - context):first + context]
+    return "\n".join([*head, "[...]", log[-3000:]])
+
+
 def test_the_dry_run_prints_each_stage_s_srun_line_for_two_nodes(tmp_path):
     project = Project(tmp_path / "project")
     project.edit_params({"launch": {"scheduler": "slurm", "nnodes": 2, "nproc_per_node": 4}})
@@ -143,7 +152,7 @@ def test_sbatch_on_two_nodes_reaches_the_metrics_of_a_local_two_process_repro(sl
     job = on_slurm.run("sbatch", "--wait", "--nodes=2", str(BATCH_SCRIPT), "evaluate@pretrain",
                        env={**on_slurm.env, **slurm_cluster}, timeout=900, check=False)
     (log,) = on_slurm.path.glob("slurm-*.out")
-    assert job.returncode == 0, log.read_text()[-3000:]
+    assert job.returncode == 0, failure_excerpt(log.read_text())
     assert "on 2 node(s): n[1-2]" in log.read_text()
     assert "pretrain: device cpu x2" in log.read_text()  # one rank on each node
     assert local.repro("evaluate@pretrain") >= {"convert", "teacher", "pretrain", "evaluate@pretrain"}

@@ -32,6 +32,7 @@ import logging
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -47,7 +48,8 @@ if TYPE_CHECKING:
     from coarse2fine import slurm
     from coarse2fine.config import Launch
 
-# Set on the srun step: this process is one node's torchrun agent, its options already resolved.
+# Set on the srun step to the name of the allocation's first node: this process is one node's torchrun agent, its
+# options already resolved, and hosts the rendezvous if it runs on that node.
 SLURM_AGENT_ENV = "COARSE2FINE_SLURM_AGENT"
 
 
@@ -72,7 +74,9 @@ def main(argv: list[str] | None = None) -> None:
             job = slurm.allocation(launch, dry_run=dry_run)
             agent = [sys.executable, "-m", "coarse2fine.launch", *torchrun_options(launch, job), *argv]
             srun = slurm.srun_command(launch, job, agent)
-        elif SLURM_AGENT_ENV not in os.environ:
+        elif SLURM_AGENT_ENV in os.environ:
+            argv = [slurm.rendezvous_host_option(os.environ, first_node=os.environ[SLURM_AGENT_ENV]), *argv]
+        else:
             argv = [*torchrun_options(launch), *argv]
     except UserError as error:
         cli.print_user_error(error)
@@ -83,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
         print(shlex.join(srun or [sys.executable, "-m", "coarse2fine.launch", *argv]), flush=True)
         return
     if srun:  # each agent prints its own user errors; srun exits with the highest task's code
-        sys.exit(subprocess.run(srun, env={**os.environ, SLURM_AGENT_ENV: "1"}).returncode)
+        sys.exit(subprocess.run(srun, env={**os.environ, SLURM_AGENT_ENV: job.first_node}).returncode)
     args = torchrun.parse_args(argv)
     if is_world_of_one(args):
         _run_here(args)
@@ -124,6 +128,7 @@ def _launch_here(args: argparse.Namespace) -> None:
     """torchrun's elastic launch of this node's workers, their user errors as one line each and exit 2."""
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
     _quiet_elastic_agent()
     # torch 2.14 shares the rendezvous' TCP store with the workers across restarts without a per-attempt prefix
@@ -138,6 +143,17 @@ def _launch_here(args: argparse.Namespace) -> None:
         os.environ[cli.ERROR_DIR_ENV] = error_dir
         try:
             torchrun.run(args)
+        except RendezvousConnectionError as failure:
+            if "EADDRINUSE" not in str(failure.__cause__):
+                raise
+            # Only an agent told to host the store (a Slurm job's first node) fails so; left to guess, it would
+            # have joined whatever listens there as a client, and waited.
+            cli.print_user_error(
+                f"launch.rdzv_endpoint: port {args.rdzv_endpoint.rsplit(':', 1)[-1]} is taken on this node "
+                f"({socket.gethostname()}), by another job's rendezvous or another program: set launch.rdzv_endpoint "
+                f"to a free port"
+            )
+            sys.exit(cli.USER_ERROR_EXIT)
         except ChildFailedError as failure:
             messages = _user_errors(failure, Path(error_dir))
             if not messages:

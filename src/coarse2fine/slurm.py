@@ -27,6 +27,7 @@ UNKNOWN_NODE, UNKNOWN_JOB = "FIRST_NODE", "JOB_ID"
 @dataclass(frozen=True)
 class Allocation:
     job_id: str
+    first_node: str  # its Slurm name (SLURMD_NODENAME there)
     first_node_address: str
     cpus_per_task: str | None  # sbatch --cpus-per-task, passed on: srun steps do not all inherit it
 
@@ -35,7 +36,7 @@ def allocation(launch: Launch, environ: Mapping[str, str] = os.environ, *, dry_r
     """The allocation this process runs in, checked against launch.nnodes."""
     if "SLURM_JOB_ID" not in environ:
         if dry_run:
-            return Allocation(UNKNOWN_JOB, UNKNOWN_NODE, None)
+            return Allocation(UNKNOWN_JOB, UNKNOWN_NODE, UNKNOWN_NODE, None)
         raise UserError(
             "launch.scheduler: slurm starts the workers with srun inside an allocation, and SLURM_JOB_ID is not "
             "set: submit scripts/slurm/pipeline.sbatch with sbatch, or set launch.scheduler: local"
@@ -46,9 +47,11 @@ def allocation(launch: Launch, environ: Mapping[str, str] = os.environ, *, dry_r
             f"launch.nnodes: {launch.nnodes} but Slurm job {environ['SLURM_JOB_ID']} has {nodes} node(s): "
             f"submit with sbatch --nodes={launch.nnodes}, or lower launch.nnodes"
         )
+    first_node = _first_node(environ["SLURM_JOB_NODELIST"])
     return Allocation(
         job_id=environ["SLURM_JOB_ID"],
-        first_node_address=_node_address(_first_node(environ["SLURM_JOB_NODELIST"])),
+        first_node=first_node,
+        first_node_address=_node_address(first_node),
         cpus_per_task=environ.get("SLURM_CPUS_PER_TASK"),
     )
 
@@ -59,6 +62,15 @@ def srun_command(launch: Launch, job: Allocation, command: list[str]) -> list[st
     if job.cpus_per_task:
         options.append(f"--cpus-per-task={job.cpus_per_task}")
     return ["srun", *options, *command]
+
+
+def rendezvous_host_option(environ: Mapping[str, str], first_node: str) -> str:
+    """torchrun's --rdzv_conf for the agent srun started on this node: the first node's agent hosts the c10d
+    store and the others only join it. Said, not left to torch's guess (is the endpoint one of this machine's
+    addresses?): two nodes that share a host would both try to host, and a first node whose port is taken
+    (another job's torchrun on the default port) would join whatever listens there and wait, where told to host
+    it fails at once (coarse2fine.launch says so in one line)."""
+    return f"--rdzv_conf=is_host={int(environ.get('SLURMD_NODENAME') == first_node)}"
 
 
 def dry_run(argv: list[str] | None = None) -> None:

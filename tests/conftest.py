@@ -25,12 +25,22 @@ from coarse2fine.labels.store import TokenLabelStore
 from coarse2fine.stage_server import SERVER_ENV, running as running_stage_server
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
+# Commits and `dvc exp run --queue` need a git identity, which a clean machine (CI's) does not have.
+GIT_IDENTITY = {
+    "GIT_AUTHOR_NAME": "coarse2fine tests", "GIT_AUTHOR_EMAIL": "tests@coarse2fine.invalid",
+    "GIT_COMMITTER_NAME": "coarse2fine tests", "GIT_COMMITTER_EMAIL": "tests@coarse2fine.invalid",
+}
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Under `pytest -n N` (`make test` runs two workers on two cores), one intra-op thread in each worker and in
+    """The environment of every test and every process it starts (projects, stages, benches, DVC's queue workers):
+    the suite's git identity where the environment names none.
+
+    Under `pytest -n N` (`make test` runs two workers on two cores), one intra-op thread in each worker and in
     every process it starts: two workers with a thread per core each would oversubscribe the cores, and OpenMP's
     spinning threads then slow each step manyfold. The tiny models here gain little from a second thread."""
+    for name, value in GIT_IDENTITY.items():
+        os.environ.setdefault(name, value)
     if os.environ.get("PYTEST_XDIST_WORKER"):
         os.environ["OMP_NUM_THREADS"] = "1"
         torch.set_num_threads(1)
@@ -66,6 +76,15 @@ def make_params(**sections: Any) -> Params:
 def cpu_runtime() -> Runtime:
     """A world of one on the CPU, without touching torch.distributed."""
     return Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+
+
+# The graphs a train batch can come from, as loader params: DALI's CPU graph (finished on the host), DALI's GPU
+# graph run on the CPU (`loader.dali_graph: all_dali`: what a GPU runs, all in DALI), torch's.
+LOADER_GRAPHS = {
+    "dali": {"backend": "dali"},
+    "dali_all": {"backend": "dali", "dali_graph": "all_dali"},
+    "torch": {"backend": "torch"},
+}
 
 
 class ListLoader:
@@ -223,7 +242,7 @@ class Project:
 
     def commit(self, message: str) -> None:
         self.run("git", "add", "-A")
-        self.run("git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", message)
+        self.run("git", "commit", "-qm", message)
 
     def repro(self, *args: str) -> set[str]:
         """Run `dvc repro`; return the stages that actually ran."""

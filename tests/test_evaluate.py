@@ -28,7 +28,9 @@ from coarse2fine.data import records
 from coarse2fine.data.convert import convert
 from coarse2fine.data.loaders import build_loader
 from coarse2fine.errors import UserError
-from coarse2fine.evaluate import EvalResult, evaluate, write_confusion_matrix_png, write_per_class_json
+from coarse2fine.evaluate import (
+    EvalResult, count_batch, evaluate, write_confusion_matrix_png, write_per_class_json,
+)
 
 STAGE = PROJECT_ROOT / "stages" / "evaluate.py"
 NUM_CLASSES = 10
@@ -107,6 +109,16 @@ def test_counts_on_fixed_logits_match_the_hand_computed_ones(batch_size):
     np.testing.assert_array_equal(result.per_class_accuracy, [50.0, 0.0, 50.0, 100.0, np.nan, 50.0])
     assert result.summary() == {"top1": 50.0, "top5": 75.0, "loss": result.loss, "n": 8}
     assert model.training  # handed back in the mode it came in
+
+
+def test_a_batch_is_counted_without_reading_a_value_back_so_a_gpu_never_waits_per_batch():
+    """Tensors on the meta device have shapes and no values: a host read (`.item()`, a length that depends on the
+    values, as torch.bincount's does) raises there, as it would stall a GPU at every validation batch."""
+    meta = torch.device("meta")
+    confusion = torch.zeros(len(HAND_CLASSES) ** 2, dtype=torch.int64, device=meta)
+    totals = torch.zeros(2, dtype=torch.float64, device=meta)
+    count_batch(hand_logits().to(meta), torch.tensor(HAND_LABELS, device=meta), confusion, totals)
+    assert confusion.device == meta and confusion.shape == (36,)
 
 
 def test_top5_counts_every_class_when_there_are_fewer_than_five():

@@ -69,7 +69,6 @@ def evaluate(
     """
     device = runtime.device
     autocast_dtype = runtime.autocast_dtype(precision)
-    k = min(TOP_K, num_classes)
     was_training = model.training
     model.eval()
     try:
@@ -81,12 +80,7 @@ def evaluate(
                 images, labels = batch["image"], batch["label"]
                 with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
                     logits = model(images)
-                logits = logits.float()
-                # Top-1 is the first of the top-k, so a top-1 hit is always a top-k hit, even with tied logits.
-                predictions = logits.topk(k, dim=1).indices
-                totals[0] += F.cross_entropy(logits, labels, reduction="sum").double()
-                totals[1] += (predictions == labels[:, None]).any(dim=1).sum()
-                confusion += torch.bincount(labels * num_classes + predictions[:, 0], minlength=num_classes**2)
+                count_batch(logits.float(), labels, confusion, totals)
             all_reduce_sum(confusion)
             all_reduce_sum(totals)
     finally:
@@ -103,6 +97,18 @@ def evaluate(
         n=n,
         confusion=confusion_matrix,
     )
+
+
+def count_batch(logits: torch.Tensor, labels: torch.Tensor, confusion: torch.Tensor, totals: torch.Tensor) -> None:
+    """Add a batch to the running counts on the device (`confusion` flattened, `totals` [loss sum, top-k hits]):
+    nothing here reads a value back, so a GPU never waits per batch (torch.bincount would: its length depends on
+    the values)."""
+    num_classes = logits.shape[1]
+    # Top-1 is the first of the top-k, so a top-1 hit is always a top-k hit, even with tied logits.
+    predictions = logits.topk(min(TOP_K, num_classes), dim=1).indices
+    totals[0] += F.cross_entropy(logits, labels, reduction="sum").double()
+    totals[1] += (predictions == labels[:, None]).any(dim=1).sum()
+    confusion.index_add_(0, labels * num_classes + predictions[:, 0], torch.ones_like(labels))
 
 
 def write_per_class_json(path: str | Path, result: EvalResult, classes: Sequence[str]) -> None:

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
-from conftest import DIGITS_PIPELINE, cpu_runtime, make_params, merge
+from conftest import DIGITS_PIPELINE, LOADER_GRAPHS, cpu_runtime, make_params, merge
 from PIL import Image
 
 from coarse2fine import models
@@ -142,7 +142,7 @@ def token_colour_agreement(
     random crops and flips (and whatever else `augment` asks for) through the real loader, targets from the store
     for each crop window; only tokens over pixels of a single colour are checked (not the grey RandAugment fills
     in with). `follow_geometry=False` gives the targets the identity in place of the batch's affine."""
-    params = make_params(loader={"backend": backend, "workers": 1}, augment=augment)
+    params = make_params(loader={**LOADER_GRAPHS[backend], "workers": 1}, augment=augment)
     loader = build_loader(
         "train", records_dir, img_size=32, batch_size=8, runtime=cpu_runtime(), loader_cfg=params.loader,
         augment_cfg=params.augment, crop_pct=1.0, seed=0,
@@ -187,7 +187,7 @@ def geometric_ops_only(monkeypatch):
         monkeypatch.setattr(module, "RAND_AUGMENT_OPS", RAND_AUGMENT_GEOMETRIC_OPS)
 
 
-@pytest.mark.parametrize("backend", ["dali", "torch"])
+@pytest.mark.parametrize("backend", LOADER_GRAPHS)
 def test_token_targets_follow_rotations_shears_and_translations(quadrant_records, tmp_path, backend, geometric_ops_only):
     """RandAugment's geometric ops move the pixels after the crop; the targets follow them through the affine each
     sample carries. Control: the same images with the affine ignored (targets of the unmoved crop). Measured:

@@ -38,10 +38,10 @@ import warnings
 from pathlib import Path
 from typing import Iterator
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from nvidia.dali import Pipeline, fn, pipeline_def, types
+from nvidia.dali.data_node import DataNode
 from nvidia.dali import tfrecord as tfrec
 from nvidia.dali.auto_aug import augmentations, rand_augment
 from nvidia.dali.auto_aug.core import augmentation, select, signed_bin
@@ -106,8 +106,9 @@ def executor(settings: LoaderSettings) -> dict[str, bool]:
 
 
 def finishes_on_host(settings: LoaderSettings) -> bool:
-    """Train batches leave DALI as decoded crops, finished by `HostFinish` (see the module docstring)."""
-    return settings.split == "train" and decoder_device(settings) == "cpu"
+    """Train batches leave DALI as decoded crops, finished by `HostFinish` (see the module docstring): on a CPU,
+    unless `loader.dali_graph: all_dali` asks for the GPU's graph there."""
+    return settings.split == "train" and decoder_device(settings) == "cpu" and settings.loader_cfg.dali_graph == "auto"
 
 
 def read_records(files: list[str], index_files: list[str], shard_id: int, num_shards: int, shuffle: bool):
@@ -221,10 +222,18 @@ def rand_augment_ops(spec: RandAugmentSpec) -> dict:
     }
 
 
-def rand_augment_with_geometry(image, spec: RandAugmentSpec, shape):
+def rand_augment_with_geometry(image, spec: RandAugmentSpec, shape: DataNode):
     """timm's RandAugment over loaders.RAND_AUGMENT_OPS on `image` (its size (h, w) in `shape`) -> (image, the
     forward pixel map its geometric ops composed to). DALI's apply_rand_augment cannot return that map, so the
-    selection is done here with DALI's own `select`, carrying (image, map) through every op."""
+    selection is done here with DALI's own `select`, carrying (image, map) through every op.
+
+    The rule for what `select` (or any `if` on a DataNode) passes to the ops: per-sample data only, i.e. DataNodes
+    (an op's output or a `types.Constant(..., device="cpu")`). DALI's conditionals split DataNodes by the branch
+    each sample takes; a Python or numpy value becomes an argument of the whole batch that no split reaches, and
+    the op fails on the first batch a branch does not take whole ("ArgumentInput has to have the same batch size
+    as an input": the GPU graph's crash of 2026-11-27, its `shape` a numpy array)."""
+    if not isinstance(shape, DataNode):
+        raise TypeError(f"shape must be a DataNode (per-sample data under select), not {type(shape).__name__}")
     ops = list(rand_augment_ops(spec).values())
     # timm applies each drawn op with probability 0.5: the last entry, unchanged, is drawn as often as all ops.
     choices = list(range(len(ops))) + [len(ops)] * len(ops)
@@ -293,7 +302,7 @@ def _train_graph(
         shape = fn.cast(crop_shape, dtype=types.FLOAT)  # RandAugment acts on the decoded crop
     else:
         image = fn.resize(image, size=(img_size, img_size), interp_type=INTERPOLATION[augment.interpolation])
-        shape = np.array([img_size, img_size], dtype=np.float32)
+        shape = types.Constant([img_size, img_size], dtype=types.FLOAT, device="cpu")  # a DataNode: see select's rule
     if rand_spec is not None:
         image, geometry = rand_augment_with_geometry(image, rand_spec, shape)
     else:
@@ -319,6 +328,16 @@ def with_affine(batch: dict[str, torch.Tensor], size_hw: torch.Tensor) -> dict[s
     mirrored = MIRROR @ affine @ MIRROR
     affine = torch.where(flip.view(-1, 1, 1), mirrored, affine)
     return {**batch, "affine": affine[:, :2].to(torch.float32)}
+
+
+def owned_on_host(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The batch with its host tensors (on a GPU: label, index, crop box, ...: bytes, not images) copied into torch's
+    memory. Under DALI's default executor, a GPU's, DALIGenericIterator hands out zero-copy views of DALI's own output
+    buffers (torch.from_dlpack), which DALI may reuse once the view is dropped; `Loader` sends host tensors to the
+    GPU with non_blocking, so a view in pinned memory could be read after the next batch overwrote it. Whether
+    DALI's host buffers are pinned and reused that soon is not visible from a CPU: the copy costs nothing that shows
+    and removes the question."""
+    return {key: value.clone() if value.device.type == "cpu" else value for key, value in batch.items()}
 
 
 class HostFinish:
@@ -395,6 +414,8 @@ class DaliBackend:
         size_hw = torch.tensor([[settings.img_size, settings.img_size]])
         iterator = DALIGenericIterator(pipeline, list(outputs), reader_name=READER_NAME, last_batch_policy=policy)
         for (batch,) in itertools.islice(iterator, start_batch, None):
+            if pipeline.exec_dynamic:  # the iterator's outputs are views of DALI's buffers, not copies
+                batch = owned_on_host(batch)
             yield with_affine(batch, size_hw.expand(len(batch["flip"]), 2)) if training else batch
 
     def _define(self, shards: list[tuple[Path, Path]], seed: int) -> Pipeline:

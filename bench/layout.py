@@ -1,5 +1,5 @@
 """Channels-last images against contiguous (NCHW) ones on the CPU: what the GPU path's layout of the images
-(coarse2fine.distributed.Runtime.image_memory_format, NCHW on a CPU: the README says why) would be worth here.
+(coarse2fine.distributed.Runtime.image_memory_format, NCHW on a CPU: its docstring says why) would be worth here.
 
 params.yaml's teacher (teacher.model at teacher.img_size, output stride included) and student (model.* at
 pretrain.img_size), built as the stages build them (random weights, CPU, fp32), each fed the same random batch of

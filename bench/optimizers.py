@@ -55,7 +55,8 @@ from _common import (
 OPTIMIZERS = {"adamw": "AdamW", "lamb": "LAMB", "kron": "PSGD Kron"}  # optimizer.name -> the table's name
 TARGET = 95.0  # val top-1 %, for "epochs to" (issue 22's measure)
 MODEL = {"patch_size": 8}  # params.yaml's tiny VOLO with the schema's stem stride: 2 x 2 tokens at 32 px
-EPOCHS = 20  # the best rows of the README's run pass 95 % by epoch 6-9, leaving 11 or more to settle
+# The best rows of the guide's run (docs/guide.md, Optimizers) pass 95 % by epoch 6-9, leaving 11 or more to settle.
+EPOCHS = 20
 LR_BASES = (4e-3, 1.6e-2, 6.4e-2)  # params.yaml's lr_base 1.6e-2 and a factor 4 either side
 MIXUP_ALPHA = 0.2  # the ViT recipe's Mixup (profiles/vit_b16_colossalai.yaml)
 BATCH = {"batch_size": 64, "accum_steps": 4}

@@ -341,7 +341,7 @@ def test_scaling_tiny_runs_one_process_and_two_agents_at_a_rendezvous(digits_wor
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU: the test below runs bench/gpu_step.py --tiny")
 def test_gpu_step_tiny_without_a_gpu_or_the_trackers_parses_its_options_and_stops_with_one_line(tmp_path) -> None:
-    """As on a GPU node whose image has torch and timm only (README, GPU): MLflow, DVC, DVCLive and DALI are
+    """As on a GPU node whose image has torch and timm only (docs/gpu.md): MLflow, DVC, DVCLive and DALI are
     made unimportable, and the Trainer's step still imports."""
     for package in ("mlflow", "dvc", "dvclive", "nvidia/dali"):  # nvidia is a namespace package: block dali only
         (tmp_path / package).mkdir(parents=True)

@@ -523,7 +523,7 @@ def test_on_real_photos_a_student_learns_as_well_from_token_labels_as_from_label
     they must at least match the ground truth (measured 77.1 vs 72.9 %), given to the wrong records they must not
     (4.2 %). Flatness is guarded by the targets test above, not here: with their order kept, targets flattened to
     2.7 nats trained this student to 75.7 % (AdamW rescales the smaller gradients), and the reference's zero fill to
-    74.3 % with a weaker teacher. MixToken is off: it regularises, which pays at the recipe's length (the README's
+    74.3 % with a weaker teacher. MixToken is off: it regularises, which pays at the recipe's length (the guide's
     ablation: +5.2 points at 60 + 10 epochs) and costs at 16 epochs (measured -4 to -7 points)."""
     records_dir = photo_teacher.records_dir
     train_count = records.read_manifest(records_dir)["splits"]["train"]["images"]

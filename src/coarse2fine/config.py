@@ -371,7 +371,7 @@ class Optimizer(Section):
     # adahessian (timm too): it needs backward(create_graph=True), then torch.autograd.grad through the gradients,
     # which DDP does not support (its docstring); not ASDL's K-FAC: its GradientMaker takes over the forward and
     # backward, with hooks on the model's layers (PyPI asdfghjkl 0.1a5, an alpha; its docs name torch 1.13).
-    # README "Optimizers" has the comparison.
+    # docs/guide.md, "Optimizers", has the comparison.
     name: Literal["adamw", "lamb", "sgd", "kron"] = "adamw"
     lr_base: float = Field(1.6e-2, gt=0)  # the peak LR: lr_base x global batch / 1024 (lr_scaling linear)
     # linear: the linear scaling rule (LR = lr_base x global batch / 1024) the reference code lacked; none: lr_base is
@@ -492,7 +492,7 @@ class TokenLabel(Section):
     # Smoothing of the targets token labeling trains on (the teacher's, and the labels ground_truth_mix mixes in);
     # `<stage>.label_smoothing` is ground truth's alone. The reference smooths both by its --smoothing 0.1
     # (sail-sg/volo main.py; the profiles keep it). 0 by default: on the photos it gave the student 85.31 % vs
-    # 84.81 % at 0.1 and ground truth's 85.06 % (3 seeds; README, "Token labels that help").
+    # 84.81 % at 0.1 and ground truth's 85.06 % (3 seeds; docs/guide.md, "Token labels that help").
     label_smoothing: float = Field(0.0, ge=0, lt=1)
 
     @property

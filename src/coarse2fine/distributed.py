@@ -77,7 +77,7 @@ class Runtime:
         on a CPU, though oneDNN is faster NHWC there too (`python bench/layout.py`, 2 cores: a training step of
         the default teacher 1.04-1.11x, of the default student 1.09-1.14x): it rounds differently, and the
         default pipeline then ended elsewhere in its seed spread (the fine-tuned model 82.2 % against the
-        README's 86.3), so the README's CPU results would no longer be what `make repro` gives."""
+        guide's 86.3), so the docs' CPU results would no longer be what `make repro` gives."""
         return torch.channels_last if self.is_cuda else torch.contiguous_format
 
     def data_view(self, dims: ParallelDims) -> Runtime:

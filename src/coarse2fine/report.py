@@ -33,7 +33,7 @@ def compare(evaluations: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
 
 
 def markdown_table(evaluations: Mapping[str, Mapping[str, Any]]) -> str:
-    """The README's table: one row per model, at its own resolution and each extra one."""
+    """The results table (docs/guide.md): one row per model, at its own resolution and each extra one."""
     rows = ["| model | resolution | val top-1 % | val top-5 % |", "| --- | --- | --- | --- |"]
     for name, metrics in evaluations.items():
         rows.append(f"| {name} | {metrics['img_size']} (its own) | {metrics['top1']:.2f} | {metrics['top5']:.2f} |")

@@ -4,7 +4,8 @@ Builds model.* at finetune.img_size and starts it from the pre-trained model fil
 resampled to the new token grid (every tensor that does not load as it is is printed). With
 finetune.token_label.enabled it trains on the same token-label store, whose maps are resampled to the new grid,
 with the ground truth mixed into the class target (finetune.token_label.ground_truth_mix). Resumable like
-pre-training.
+pre-training. finetune.init_weights starts it from that file instead of the pre-trained model; with finetune.mode
+import the model is finetune.weights, evaluated and written without training.
 """
 
 import argparse

@@ -4,7 +4,8 @@ With pretrain.token_label.enabled the objective is token labeling on the store i
 with pretrain.token_label.mix_token); otherwise label-smoothed cross-entropy on the ground truth (Mixup/CutMix
 with pretrain.mixup). Runs as `python stages/pretrain.py` or `torchrun --standalone --nproc_per_node=N
 stages/pretrain.py` (DDP); rerun after a crash or kill, it continues from the last checkpoint (at an epoch's end,
-or inside one: params `checkpoint`).
+or inside one: params `checkpoint`). Training starts from pretrain.init_weights if given; with pretrain.mode import
+the model is pretrain.weights instead, evaluated and written without training (docs/fine-tune-only.md).
 """
 
 import argparse

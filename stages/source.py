@@ -1,7 +1,8 @@
-"""List the source images (params data.source, data.root) into data/source.json: what convert reads; an
-imported teacher's weights file (teacher.mode, teacher.weights) into data/teacher_source.json; and imported token
-labels (token_labels.mode, token_labels.import_dir) into data/token_labels_source.json, or there that no student
-learns from token labels (pretrain/finetune.token_label.enabled): token_labels then writes an empty store.
+"""List the source images (params data.source, data.root) into data/source.json: what convert reads; each
+training stage's weights file (<stage>.weights with mode import, or <stage>.init_weights) into
+data/<stage>_source.json (teacher, pretrain, finetune); and imported token labels (token_labels.mode,
+token_labels.import_dir) into data/token_labels_source.json, or there that no student learns from token labels
+(pretrain/finetune.token_label.enabled): token_labels then writes an empty store.
 
 dvc.yaml runs this stage at every `dvc repro` (always_changed): it stats every file under the data root, so
 an image added, removed or replaced changes data/source.json and reruns convert and what follows, while an
@@ -21,7 +22,9 @@ from coarse2fine.data.listing import source_state, token_labels_state, weights_s
 def main(params: Params, args: argparse.Namespace) -> None:
     listings = (
         (args.out, source_state(params.data)),
-        (args.teacher_out, weights_state(params.teacher)),
+        (args.teacher_out, weights_state("teacher", params.teacher)),
+        (args.pretrain_out, weights_state("pretrain", params.pretrain)),
+        (args.finetune_out, weights_state("finetune", params.finetune)),
         (args.labels_out, token_labels_state(params)),
     )
     for path, state in listings:
@@ -35,6 +38,11 @@ if __name__ == "__main__":
     parser.add_argument(
         "--teacher-out", type=Path, default=Path("data/teacher_source.json"), help="default: data/teacher_source.json"
     )
+    for stage in ("pretrain", "finetune"):
+        parser.add_argument(
+            f"--{stage}-out", type=Path, default=Path(f"data/{stage}_source.json"),
+            help=f"default: data/{stage}_source.json",
+        )
     parser.add_argument(
         "--labels-out", type=Path, default=Path("data/token_labels_source.json"),
         help="default: data/token_labels_source.json",

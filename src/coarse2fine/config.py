@@ -424,8 +424,16 @@ class Mixup(Section):
 
 
 class Train(Section):
-    """A training run: the teacher's, pre-training's and fine-tuning's sections share these keys."""
+    """A training stage: the teacher's, pre-training's and fine-tuning's sections share these keys."""
 
+    # train: trained here (from init_weights, if given) | import: its model is `weights`, evaluated, not trained.
+    mode: Literal["train", "import"] = "train"
+    # Local weights files of the stage's model (never downloaded): .safetensors, a torch state dict, or a training
+    # checkpoint (timm's or sail-sg/volo's .pth.tar: its EMA weights, else "state_dict"/"model"). `weights` is the
+    # model itself (mode import); `init_weights` where training starts (another class count: a new head; another
+    # size: the position embedding resampled).
+    weights: str = ""
+    init_weights: str = ""
     img_size: int = Field(32, gt=0)
     epochs: int = Field(10, gt=0)
     batch_size: int = Field(64, gt=0)  # per device
@@ -441,6 +449,14 @@ class Train(Section):
     # This stage's random-resized-crop area range, in place of augment.scale; unset: augment.scale.
     crop_scale: tuple[float, float] | None = None
     compile: bool = False  # torch.compile the training forward (the first steps compile it: minutes on a big model)
+
+    @model_validator(mode="after")
+    def _weights_for_the_mode(self) -> Train:
+        if self.mode == "import" and not self.weights:
+            raise ValueError("weights: required when mode is 'import' (a local .safetensors, .pt or .pth.tar file)")
+        if self.mode == "import" and self.init_weights:
+            raise ValueError("init_weights: only with mode 'train' (mode 'import' takes its model from weights)")
+        return self
 
     @model_validator(mode="after")
     def _mixup_pairs(self) -> Train:
@@ -514,20 +530,11 @@ class Finetune(Pretrain):
 class Teacher(Train):
     """The teacher of token labeling: trained here (`train`, with the Train fields) or imported (`import`)."""
 
-    mode: Literal["train", "import"] = "train"
-    # import: a local weights file of `model` (.safetensors, or a state dict saved by torch: .pt/.pth/.bin)
-    weights: str = ""
     # img_size (Train's) is the teacher's input size, for training and for generation. A CNN by default: its head at
     # every cell is its classifier (exact dense map); a VOLO trained on labels here only trains its aux head through
     # the max over tokens (timm's forward_head): its map's whole-image targets agreed with its own prediction on
     # 38 % of the photos' train images at 32 px (measured). Built unvalidated: no timm import to read defaults.
     model: Model = TimmModel.model_construct(name="resnet10t", output_stride=8)
-
-    @model_validator(mode="after")
-    def _weights_for_import(self) -> Teacher:
-        if self.mode == "import" and not self.weights:
-            raise ValueError("weights: required when mode is 'import' (a local .safetensors or .pt file)")
-        return self
 
 
 class TokenLabels(Section):
@@ -672,7 +679,7 @@ class Params(Section):
         return self
 
     def _trained_sections(self) -> tuple[str, ...]:
-        return ("pretrain", "finetune") if self.teacher.mode == "import" else ("teacher", "pretrain", "finetune")
+        return tuple(name for name in ("teacher", "pretrain", "finetune") if getattr(self, name).mode == "train")
 
     @model_validator(mode="after")
     def _sharded_layouts_train_what_they_can(self) -> Params:

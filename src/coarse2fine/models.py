@@ -60,11 +60,12 @@ def build_model(model_cfg: Model, num_classes: int, img_size: int, *, mix_token:
         raise UserError(f"{model_cfg.name}: cannot be built with {options} ({_first_line(error)})") from None
 
 
-def load_weights(model: nn.Module, path: str | Path, what: str) -> None:
-    """Load a local weights file into `model`: .safetensors, or anything torch saved that holds a state dict
-    (plain, or under "state_dict"/"model", EMA weights first, as timm's loader reads them) with weights_only=True.
-    Strict but for the input size (`fit_state_dict`): a file that does not fit is a UserError naming it, the
-    class counts and the keys."""
+def load_weights(model: nn.Module, path: str | Path, what: str, *, new_classes: bool = False) -> LoadReport:
+    """Load a local weights file into `model` and say what was done (`LoadReport`): .safetensors, or anything torch
+    saved that holds a state dict (plain, or a training checkpoint's, timm's and sail-sg/volo's: EMA weights
+    first, else "state_dict"/"model", wrapper prefixes stripped: timm's `load_state_dict`), with weights_only=True.
+    Strict but for the input size and, with `new_classes`, the classifier (`fit_state_dict`). A missing,
+    unreadable or ill-fitting file is a one-line UserError starting with `what` and the path."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{what}: {path}: weights file not found")
@@ -73,9 +74,30 @@ def load_weights(model: nn.Module, path: str | Path, what: str) -> None:
     except (OSError, MemoryError):
         raise
     except Exception as error:  # safetensors, pickle and torch errors of every kind for a bad file
-        reason = f"{type(error).__name__}: {_first_line(error)}"
-        raise UserError(f"{what}: {path}: not a readable weights file ({reason})") from None
-    fit_state_dict(model, state, f"{what}: {path}")
+        raise UserError(f"{what}: {path}: not a readable weights file: {_why_unreadable(path, error)}") from None
+    return fit_state_dict(model, state, f"{what}: {path}", new_classes=new_classes)
+
+
+# The first bytes of each format torch and safetensors write.
+TORCH_ZIP_MAGIC = b"PK\x03\x04"  # torch.save since 1.6: a zip archive
+PICKLE_MAGIC = b"\x80"  # torch.save before 1.6 (_use_new_zipfile_serialization=False): a pickle stream
+SAFETENSORS_HEADER_START = 8  # a little-endian u64 header length, then the JSON header: "{"
+
+
+def _why_unreadable(path: Path, error: Exception) -> str:
+    """Why a weights file did not load, from its first bytes and the loader's error."""
+    with open(path, "rb") as file:
+        head = file.read(SAFETENSORS_HEADER_START + 1)
+    if not head:
+        return "the file is empty"
+    reason = f"{type(error).__name__}: {_first_line(error)}"
+    if head[SAFETENSORS_HEADER_START:] == b"{":
+        return f"a truncated or corrupt safetensors file ({reason})"
+    if not head.startswith((TORCH_ZIP_MAGIC, PICKLE_MAGIC)):
+        return f"unknown format (neither safetensors nor a file torch saved; first bytes {head[:4]!r})"
+    if "weights_only" in str(error):  # torch names the objects weights_only loading refuses to unpickle
+        return f"it pickles Python objects besides tensors: save the model's state_dict(), not the model ({reason})"
+    return f"a truncated or corrupt torch file ({reason})"
 
 
 @dataclass

@@ -1,13 +1,14 @@
 """What the pipeline reads from outside the repository, cheaply enough to check at every `dvc repro` (the
-`source` stage): convert's images and, for an imported teacher, its weights file.
+`source` stage): convert's images and the training stages' weights files (mode import, init_weights).
 
 For an ImageFolder: every visible file under the data root with its size and modification time (a stat per
 file, nothing read), hashed, as make and rsync judge a file changed. For digits: scikit-learn's version
 (the images are generated from its load_digits; the rest is in convert's params); for photos, likewise
 scikit-image's version. convert depends on the
 result, so an image added, removed or replaced reruns convert and what follows; an unchanged tree gives the
-same bytes and leaves every stage cached. The teacher's weights file (teacher.mode import) is judged the same
-way, by its path, size and modification time, so replacing it reruns the teacher and what follows; and so is
+same bytes and leaves every stage cached. A training stage's weights file (<stage>.mode import, or its
+init_weights) is judged the same way, by its path, size and modification time, so replacing it reruns that stage
+and what follows; and so is
 the directory of imported token labels (token_labels.mode import), every file listed like an image folder's, so
 a changed label set reruns token_labels and what follows. When no student learns from token labels, their
 listing says so (mode "unused") and nothing else: token_labels reruns when that flips, and only then.
@@ -22,7 +23,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterator
 
-from coarse2fine.config import Data, Params, Teacher
+from coarse2fine.config import Data, Params, Train
 from coarse2fine.errors import UserError
 
 
@@ -37,14 +38,22 @@ def source_state(data: Data) -> dict[str, Any]:
     return {"kind": "imagefolder", "root": str(root), **_tree_state(root)}
 
 
-def weights_state(teacher: Teacher) -> dict[str, Any]:
-    if teacher.mode == "train":
-        return {"mode": "train"}
-    path = Path(teacher.weights)
+def weights_state(stage: str, cfg: Train) -> dict[str, Any]:
+    """A training stage's weights file, if it reads one: its model (mode import) or where training starts
+    (init_weights)."""
+    if cfg.mode == "import":
+        return {"mode": "import", **_file_state(f"{stage}.weights", cfg.weights)}
+    if cfg.init_weights:
+        return {"mode": "train", "init_weights": _file_state(f"{stage}.init_weights", cfg.init_weights)}
+    return {"mode": "train"}
+
+
+def _file_state(key: str, name: str) -> dict[str, Any]:
+    path = Path(name)
     if not path.is_file():
-        raise UserError(f"teacher.weights: {path}: weights file not found")
+        raise UserError(f"{key}: {path}: weights file not found")
     stat = path.stat()
-    return {"mode": "import", "path": str(path), "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    return {"path": str(path), "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns}
 
 
 def token_labels_state(params: Params) -> dict[str, Any]:

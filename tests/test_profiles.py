@@ -25,7 +25,8 @@ REDUCED_SIZE = {224: 32, 384: 48, 448: 64, 512: 80}
 
 def test_there_are_profiles_for_the_published_recipes():
     assert {path.stem for path in PROFILES} >= {
-        "volo_d1", "volo_d2", "volo_d3", "volo_d4", "volo_d5", "volo_d5_512", "vit_b16_colossalai"
+        "volo_d1", "volo_d2", "volo_d3", "volo_d4", "volo_d5", "volo_d5_512", "vit_b16_colossalai",
+        "volo_d1_384_from_224",
     }
 
 
@@ -76,6 +77,11 @@ VOLO_FINETUNE_LR, VOLO_FINETUNE_MIN_LR = 8e-6, 4e-6
 REFERENCE = {
     # README: "-b 128 --lr 1.6e-3 --drop-path 0.1" (310 epochs); "-b 64 --lr 8.0e-6" at 384 ("40 epoch").
     "volo_d1": Recipe(8, Stage(1024, 1.6e-3, 1e-5, 20, 310, 0.96), Stage(512, 8e-6, 4e-6, 5, 40, 1.0), 0.1, 0.0, 0.1),
+    # README: the fine-tuning command alone, "--finetune" from the published d1_224_84.2.pth.tar (pretrain imports it;
+    # its training values stay D1's).
+    "volo_d1_384_from_224": Recipe(
+        8, Stage(1024, 1.6e-3, 1e-5, 20, 310, 0.96), Stage(512, 8e-6, 4e-6, 5, 40, 1.0), 0.1, 0.0, 0.1
+    ),
     # README: "-b 128 --lr 1.0e-3 --drop-path 0.2"; "-b 48" at 384.
     "volo_d2": Recipe(8, Stage(1024, 1e-3, 1e-5, 20, 310, 0.96), Stage(384, 8e-6, 4e-6, 5, 40, 1.0), 0.2, 0.0, 0.1),
     # README: "-b 128 --lr 1.0e-3 --drop-path 0.5"; "-b 30" at 448.
@@ -126,6 +132,17 @@ def test_profile_reproduces_the_reference_recipe(path):
         assert cfg.label_smoothing == cfg.token_label.label_smoothing == reference.label_smoothing
     assert params.model.drop_path == reference.drop_path
     assert getattr(params.model, "dropout", 0.0) == reference.dropout
+
+
+def test_the_fine_tune_only_profile_is_volo_d1_from_the_published_224_model():
+    """Only the pre-trained student differs from volo_d1: imported from sail-sg/volo's release file at its 224 px."""
+    directory = PROFILES[0].parent
+    ours, full = (flatten(load_params(directory / f"{name}.yaml")) for name in ("volo_d1_384_from_224", "volo_d1"))
+    assert {key for key in full if ours[key] != full[key]} == {"pretrain.mode", "pretrain.weights"}
+    assert (ours["pretrain.mode"], ours["pretrain.weights"]) == ("import", "models/imports/d1_224_84.2.pth.tar")
+    assert (ours["model.name"], ours["pretrain.img_size"], ours["finetune.img_size"]) == ("volo_d1_224", 224, 384)
+    header = (directory / "volo_d1_384_from_224.yaml").read_text()
+    assert "sail-sg/volo/releases/download/volo_1/d1_224_84.2.pth.tar" in header  # where the file comes from
 
 
 def test_volo_fine_tuning_lr_does_not_scale_with_the_batch():

@@ -63,6 +63,8 @@ def test_shipped_params_are_valid_and_document_every_training_knob():
         ("teacher.model.name", "volo_d9", "teacher.model.name: 'volo_d9' is neither volo_custom nor a timm model"),
         ("teacher.model.output_stride", 4, "teacher.model.output_stride: 4 is not 8, 16 or 32 of a CNN"),
         ("teacher.mode", "import", "teacher.weights: required when mode is 'import'"),
+        ("pretrain.mode", "import", "pretrain.weights: required when mode is 'import'"),
+        ("finetune.mode", "import", "finetune.weights: required when mode is 'import'"),
         ("token_labels.teacher_view", "crop", "token_labels.teacher_view: Input should be 'whole' or 'center'"),
         # Token labeling needs a prediction per token: a CNN student has none.
         ("model", {"name": "resnet18"}, "pretrain.token_label.enabled: model.name 'resnet18' has no per-token outputs"),

@@ -4,10 +4,13 @@ drop-path), on random batches already on the device, so only the step is timed, 
 - ground truth: label-smoothed cross-entropy on the inference logits;
 - token labels + MixToken: the recipe's step: the batch's rows of a token-label store (random top-5 teacher maps
   on NFNet-F6's 18 x 18 grid, looked up and copied as the loader does), roi_align targets, MixToken;
-- the same, compiled (`--compile`): the training forward through torch.compile (`train.compile: true`).
+- both again, compiled (`--compile`): the training forward through torch.compile (`train.compile: true`); the
+  compiled ground truth is what timm's compiled bare loop (bench/timm_gpu_step.py) is held against, so the
+  Trainer's own cost under compile shows apart from what token labels and MixToken cost.
 
 On a GPU node: `python bench/gpu_step.py` (volo_d1_224 at 224 px, 128 images a step: the VOLO-D1 recipe's
-per-GPU batch). Without a GPU it stops with one line. Each call runs --steps steps; every row is warmed up
+per-GPU batch). Without a GPU it stops with one line; `--device cpu` runs the same steps on the CPU (the CPU dry
+run of coarse2fine.gpu_check: figures that measure nothing). Each call runs --steps steps; every row is warmed up
 once (compilation, cuDNN autotuning), then the repeats run interleaved (_common.interleaved).
 """
 
@@ -24,7 +27,7 @@ import torch
 from _common import add_tiny_argument, header_line, interleaved, markdown_table, tiny_sizes, write_json
 from coarse2fine import losses, models
 from coarse2fine.config import parse_params
-from coarse2fine.data.loaders import IDENTITY_AFFINE
+from coarse2fine.data.transforms import IDENTITY_AFFINE
 from coarse2fine.distributed import Runtime, use_gpu_defaults
 from coarse2fine.labels.store import TokenLabelStore, write_store
 from coarse2fine.train import Trainer
@@ -42,7 +45,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=20, metavar="N", help="steps per timed call (default: 20)")
     parser.add_argument("--repeats", type=int, default=5, metavar="N", help="timed calls per row (default: 5)")
     parser.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"], help="default: bf16")
-    parser.add_argument("--compile", action="store_true", help="add the torch.compile row (minutes to compile)")
+    parser.add_argument("--compile", action="store_true", help="add the torch.compile rows (minutes to compile)")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                        help="default: cuda; cpu runs the same steps there, to test the bench without a GPU")
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write the raw numbers as JSON")
     add_tiny_argument(parser, "--batch 8, --steps 2, --repeats 1")
     args = parser.parse_args()
@@ -59,14 +64,16 @@ class TrainerSteps:
         self.host_index = batch["index"].cpu()
 
     def __call__(self) -> int:
-        device = self.trainer.runtime.device
+        runtime = self.trainer.runtime
         for _ in range(self.steps):
             batch = self.batch
             if self.store is not None:
                 log_probs, classes = self.store.lookup(self.host_index)
+                if runtime.is_cuda:  # pinned, so the copy overlaps the step (CPU runs: no pinning without CUDA)
+                    log_probs, classes = log_probs.pin_memory(), classes.pin_memory()
                 batch = {
-                    **batch, "token_log_probs": log_probs.pin_memory().to(device, non_blocking=True),
-                    "token_classes": classes.pin_memory().to(device, non_blocking=True),
+                    **batch, "token_log_probs": log_probs.to(runtime.device, non_blocking=True),
+                    "token_classes": classes.to(runtime.device, non_blocking=True),
                 }
             self.trainer.backward(batch, micro_steps=1, sync=True)
             self.trainer.optimizer_step()
@@ -121,15 +128,20 @@ def new_trainer(args: argparse.Namespace, runtime: Runtime, scratch: Path, *, to
 
 def main() -> None:
     args = parse_args()
-    if not torch.cuda.is_available():
+    if args.device == "cpu":
+        runtime = Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+        device_name = "CPU"
+    elif torch.cuda.is_available():
+        runtime = Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cuda", 0))
+        torch.cuda.set_device(runtime.device)
+        use_gpu_defaults()
+        device_name = torch.cuda.get_device_name(runtime.device)
+    else:
         sys.exit(f"bench/gpu_step.py: no usable CUDA GPU (torch {torch.__version__}, CUDA {torch.version.cuda})")
-    runtime = Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cuda", 0))
-    torch.cuda.set_device(runtime.device)
-    use_gpu_defaults()
     batch = random_batch(args, runtime.device)
     rows = [("ground truth", False, False), ("token labels + MixToken", True, False)]
     if args.compile:
-        rows.append(("token labels + MixToken, compiled", True, True))
+        rows += [("ground truth, compiled", False, True), ("token labels + MixToken, compiled", True, True)]
     with tempfile.TemporaryDirectory(prefix="coarse2fine-bench-") as scratch:
         store = random_store(Path(scratch) / "labels", args.batch)
         variants = {
@@ -149,8 +161,8 @@ def main() -> None:
     )
     text = "\n".join([
         header_line(), "",
-        f"{torch.cuda.get_device_name(runtime.device)}: {args.model} at {args.img_size} px, batch {args.batch}, "
-        f"{args.precision}, fused AdamW, drop-path 0.1; {args.steps} steps per call, median of {args.repeats} "
+        f"{device_name}: {args.model} at {args.img_size} px, batch {args.batch}, "
+        f"{args.precision}, {'fused ' if runtime.fused_optimizer else ''}AdamW, drop-path 0.1; {args.steps} steps per call, median of {args.repeats} "
         f"interleaved calls after a warm-up call. Token labels: top-{TOP_K} maps on a {TEACHER_GRID} x "
         f"{TEACHER_GRID} grid over {NUM_CLASSES} classes.",
         "", table,

@@ -47,7 +47,9 @@ from torchvision import transforms as T
 from coarse2fine.config import parse_params
 from coarse2fine.data import records
 from coarse2fine.data.dali_pipeline import train_pipeline
-from coarse2fine.data.loaders import IMAGE_MEAN, IMAGE_STD, build_loader, derive_seed
+from coarse2fine.data.loaders import build_loader
+from coarse2fine.data.sampling import derive_seed
+from coarse2fine.data.transforms import IMAGE_MEAN, IMAGE_STD
 from coarse2fine.data.torch_pipeline import timm_rand_augment
 
 IMG_SIZE = 224  # the default --img-size

@@ -38,7 +38,7 @@ from _common import (
 from coarse2fine import models
 from coarse2fine.config import load_params, parse_model
 from coarse2fine.data import records
-from coarse2fine.data.loaders import IMAGE_MEAN, IMAGE_STD
+from coarse2fine.data.transforms import IMAGE_MEAN, IMAGE_STD
 from coarse2fine.labels.generate import DenseHead, TrainRecords, View, dense_head, generate
 
 GOAL_VS_FORWARD = 0.8

@@ -33,7 +33,8 @@ from _common import CPU, add_tiny_argument, header_line, markdown_table, tiny_si
 from coarse2fine import models
 from coarse2fine.config import load_params
 from coarse2fine.data import records
-from coarse2fine.data.loaders import IMAGE_MEAN, IMAGE_STD, build_loader
+from coarse2fine.data.loaders import build_loader
+from coarse2fine.data.transforms import IMAGE_MEAN, IMAGE_STD
 from coarse2fine.labels import targets
 from coarse2fine.labels.generate import TrainRecords, View, dense_head
 from coarse2fine.losses import mix_token_lam

@@ -35,7 +35,8 @@ from _common import (
 )
 from coarse2fine import losses, models
 from coarse2fine.config import Params, parse_params
-from coarse2fine.data.loaders import IDENTITY_AFFINE, with_target_inputs
+from coarse2fine.data.loaders import with_target_inputs
+from coarse2fine.data.transforms import IDENTITY_AFFINE
 from coarse2fine.labels.store import TokenLabelStore, write_store
 from coarse2fine.train import Trainer, seed_everything
 

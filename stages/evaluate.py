@@ -14,7 +14,7 @@ from pathlib import Path
 from coarse2fine import cli, distributed, models
 from coarse2fine.config import EVALUATED_MODELS, ModelEvaluation, Params
 from coarse2fine.data import records
-from coarse2fine.data.loaders import Loader, build_loader, resolve_backend
+from coarse2fine.data.loaders import build_loader, Loader, resolve_backend
 from coarse2fine.distributed import Runtime
 from coarse2fine.errors import UserError
 from coarse2fine.evaluate import evaluate, write_confusion_matrix_png, write_per_class_json

@@ -28,7 +28,8 @@ from PIL import Image
 from coarse2fine import distributed
 from coarse2fine.data import dali_pipeline, records
 from coarse2fine.data.convert import convert
-from coarse2fine.data.loaders import IDENTITY_AFFINE, IMAGE_MEAN, IMAGE_STD, build_loader
+from coarse2fine.data.loaders import build_loader
+from coarse2fine.data.transforms import IDENTITY_AFFINE, IMAGE_MEAN, IMAGE_STD
 from coarse2fine.labels.targets import moved_rows
 from coarse2fine.distributed import Runtime
 from coarse2fine.errors import UserError

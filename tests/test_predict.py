@@ -19,7 +19,8 @@ from torch import nn
 
 from coarse2fine import models, predict
 from coarse2fine.data import records
-from coarse2fine.data.loaders import build_loader, eval_transform
+from coarse2fine.data.loaders import build_loader
+from coarse2fine.data.transforms import eval_transform
 from coarse2fine.tracking.identity import MODEL_ID_TAG
 from coarse2fine.tracking.runs import Tracker
 

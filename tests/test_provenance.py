@@ -14,7 +14,6 @@ import yaml
 from coarse2fine import provenance
 
 ROOT = Path(__file__).resolve().parents[1]
-LAUNCHER = "coarse2fine.launch"
 CODE_DIRS = ("stages/", "src/")
 
 
@@ -28,22 +27,21 @@ def relative(files: list[Path]) -> set[str]:
     return {path.relative_to(ROOT).as_posix() for path in files}
 
 
-def stage_code(stage: dict) -> set[str]:
-    """What the stage runs: its script's imports, plus the launcher's when the command goes through it."""
-    script = next(word for word in stage["cmd"].split() if word.startswith("stages/"))
-    files = relative(provenance.code_files(ROOT / script))
-    if LAUNCHER in stage["cmd"]:
-        files |= relative(provenance.code_files(ROOT / "src/coarse2fine/launch.py"))
-    return files
-
-
 @pytest.mark.parametrize("name", sorted(dvc_stages()))
 def test_code_deps_are_exactly_what_the_stage_imports(name):
     stage = dvc_stages()[name]
     listed = {dep for dep in stage["deps"] if dep.startswith(CODE_DIRS)}
-    expected = stage_code(stage)
+    expected = set(provenance.stage_code_deps(stage["cmd"], ROOT))
     assert not expected - listed, f"{name}: dvc.yaml misses code deps {sorted(expected - listed)}"
     assert not listed - expected, f"{name}: dvc.yaml lists code the stage does not import {sorted(listed - expected)}"
+
+
+def test_make_deps_writes_what_dvc_yaml_holds():
+    """`make deps` (scripts/write_code_deps.py) rewrites the code deps from the imports: on this tree, nothing to do."""
+    check = subprocess.run(
+        [sys.executable, "scripts/write_code_deps.py", "--check"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert check.returncode == 0, check.stderr
 
 
 def test_imports_are_followed_through_modules_packages_and_function_bodies():

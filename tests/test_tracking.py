@@ -25,7 +25,7 @@ from mlflow.utils.mlflow_tags import MLFLOW_GIT_COMMIT, MLFLOW_PARENT_RUN_ID
 
 from coarse2fine import models
 from coarse2fine.config import flatten, parse_params
-from coarse2fine.data.loaders import eval_transform
+from coarse2fine.data.transforms import eval_transform
 from coarse2fine.errors import UserError
 from coarse2fine.distributed import Runtime
 from coarse2fine.tracking.identity import (

@@ -261,7 +261,7 @@ def save_model_file(
     eval_transform: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Write the final model file (a plain dict, loadable with weights_only=True) atomically; return its fields
-    other than the weights. `eval_transform`: how images are preprocessed for it (data.loaders.eval_transform);
+    other than the weights. `eval_transform`: how images are preprocessed for it (data.transforms.eval_transform);
     files written before it was recorded lack the key."""
     card = {
         "model_cfg": flatten(model_cfg),  # tuples as lists

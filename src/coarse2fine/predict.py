@@ -5,7 +5,7 @@ store (`models:/coarse2fine@current`, `models:/<name>/<version>`, `runs:/<run>/m
 MLFLOW_TRACKING_URI or ./mlflow.db). Images are files of any format PIL reads, or directories, walked recursively
 in sorted order with hidden files and folders skipped. Each image is prepared as its record was for the model's
 validation: RGB as the convert stage makes it (transparent pixels on white, EXIF orientation ignored), then the
-model's own eval transform (data.loaders.eval_transform: resize, centre crop, normalise). A file that cannot be read
+model's own eval transform (data.transforms.eval_transform: resize, centre crop, normalise). A file that cannot be read
 as an image is reported with the reason and the others are still predicted; the exit code is 0 when at least one
 image was predicted, 2 (one `error:` line) when none was or the model cannot be loaded.
 """
@@ -24,7 +24,7 @@ from PIL import Image, UnidentifiedImageError
 
 from coarse2fine import cli, distributed, models
 from coarse2fine.data.convert import DECODE_ERRORS, on_white_rgb
-from coarse2fine.data.loaders import IMAGE_MEAN, IMAGE_STD, eval_transform
+from coarse2fine.data.transforms import IMAGE_MEAN, IMAGE_STD, eval_transform
 from coarse2fine.data.torch_pipeline import to_normalised_tensor, val_resize_and_crop
 from coarse2fine.errors import UserError
 from coarse2fine.evaluate import TOP_K

@@ -4,8 +4,8 @@
 import inside a function counts too) and returns every file that can run: the script, each imported module
 and the `__init__.py` of every package on the way. The same list is
 
-- what dvc.yaml must list as the stage's code deps (tests/test_provenance.py fails on a missing one), so
-  editing any of them reruns the stage, and
+- what dvc.yaml must list as the stage's code deps (`stage_code_deps`; `make deps` writes them, and
+  tests/test_provenance.py fails on a missing or stale one), so editing any of them reruns the stage, and
 - hashed into a training checkpoint's fingerprint (`fingerprint`), so a rerun under changed code starts
   afresh instead of resuming (or returning) weights the old code trained.
 
@@ -25,6 +25,7 @@ import coarse2fine
 
 PACKAGE = coarse2fine.__name__
 PACKAGE_DIR = Path(coarse2fine.__file__).resolve().parent
+LAUNCHER = "coarse2fine.launch"  # a stage command that goes through it runs the launcher's code too
 # The third-party code a trained result depends on most: a different version may train differently.
 RESULT_LIBRARIES = ("torch", "torchvision", "timm", "numpy", "pillow", "nvidia-dali-cuda130")
 
@@ -41,6 +42,17 @@ def code_files(script: str | Path) -> list[Path]:
         seen.add(path)
         pending.extend(_imported_files(path))
     return [script, *sorted(seen - {script})]
+
+
+def stage_code_deps(command: str, root: Path) -> list[str]:
+    """dvc.yaml's code deps of a stage running `command` in the project at `root`: its script's `code_files`, plus
+    the launcher's when the command goes through it; paths relative to `root`, the script first."""
+    script = next(word for word in command.split() if word.startswith("stages/"))
+    files = code_files(root / script)
+    if LAUNCHER in command:
+        files += code_files(root / "src/coarse2fine/launch.py")
+    relative = [path.relative_to(root).as_posix() for path in files]
+    return [relative[0], *sorted(set(relative[1:]) - {relative[0]})]
 
 
 def code_digest(files: Iterable[Path]) -> str:

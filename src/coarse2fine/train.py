@@ -59,7 +59,7 @@ from torch import nn
 
 from coarse2fine import config, distributed, losses, models, parallel
 from coarse2fine.data import records
-from coarse2fine.data.loaders import eval_transform
+from coarse2fine.data.transforms import eval_transform
 from coarse2fine.distributed import Runtime
 from coarse2fine.errors import UserError
 from coarse2fine.evaluate import evaluate

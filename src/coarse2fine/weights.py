@@ -14,7 +14,8 @@ from typing import Sequence
 from torch import nn
 
 from coarse2fine import config, models
-from coarse2fine.data.loaders import IMAGE_MEAN, IMAGE_STD, Loader, eval_transform
+from coarse2fine.data.loaders import Loader
+from coarse2fine.data.transforms import IMAGE_MEAN, IMAGE_STD, eval_transform
 from coarse2fine.distributed import Runtime
 from coarse2fine.evaluate import evaluate
 from coarse2fine.files import file_sha256

@@ -20,7 +20,7 @@ it): pixels are taken as stored, the ImageNet convention of PIL, torchvision, ti
 frame of the torch backend, of the width/height in the records and of the crop windows the token labels follow.
 
 RandAugment versus timm (the torch backend runs timm's own): the same ops and magnitude levels
-(loaders.RAND_AUGMENT_OPS; 11 bins = timm's levels 0..10; inc1 -> DALI's monotonic colour suite, inc0 -> its
+(transforms.RAND_AUGMENT_OPS; 11 bins = timm's levels 0..10; inc1 -> DALI's monotonic colour suite, inc0 -> its
 non-monotonic one; the geometric ops with timm's maxima and random sign), n ops per image, each applied with
 probability 0.5 like timm's default (see `rand_augment_with_geometry`). Approximated: `mstd`. DALI takes one
 integer magnitude bin for the whole batch, so the magnitude is not jittered around m (same mean, no spread).
@@ -48,22 +48,19 @@ from nvidia.dali.auto_aug.core import augmentation, select, signed_bin
 from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
 from coarse2fine.config import MAX_RAND_AUGMENT_MAGNITUDE, Augment, RandAugmentSpec
-from coarse2fine.data.loaders import (
+from coarse2fine.data.sampling import derive_seed, epoch_permutation, LoaderSettings, seeded_global_rngs
+from coarse2fine.data.transforms import (
     IMAGE_MEAN,
     IMAGE_STD,
     MAX_ROTATE_DEGREES,
     MAX_SHEAR,
     MAX_TRANSLATE,
     RAND_AUGMENT_OPS,
-    LoaderSettings,
-    derive_seed,
-    epoch_permutation,
     homogeneous,
     normalised_affine,
     normalise_pixels,
     random_erasing,
     resized_short_side,
-    seeded_global_rngs,
 )
 
 READER_NAME = "records"
@@ -168,7 +165,7 @@ def warp(image, step):
     return fn.warp_affine(image, matrix=step, fill_value=128, inverse_map=False)
 
 
-# loaders.RAND_AUGMENT_GEOMETRIC_OPS as DALI augmentations that return (image, the forward pixel map applied) with
+# transforms.RAND_AUGMENT_GEOMETRIC_OPS as DALI augmentations that return (image, the forward pixel map applied) with
 # timm's magnitudes: level m is m / 10 of the maximum, with a random sign.
 GEOMETRIC_AUGMENTATIONS = {
     "rotate": augmentation(rotate_pixels, mag_range=(0, MAX_ROTATE_DEGREES), randomly_negate=True),
@@ -207,7 +204,7 @@ def unchanged(image, geometry, **op_kwargs):
 
 
 def rand_augment_ops(spec: RandAugmentSpec) -> dict:
-    """loaders.RAND_AUGMENT_OPS as DALI ops (name -> op), each `op(image, geometry, magnitude_bin=...,
+    """transforms.RAND_AUGMENT_OPS as DALI ops (name -> op), each `op(image, geometry, magnitude_bin=...,
     num_magnitude_bins=..., shape=...) -> (image, geometry)`, the geometry composed with its pixel map."""
     if spec.increasing:
         suite = rand_augment.get_rand_augment_suite()
@@ -223,7 +220,7 @@ def rand_augment_ops(spec: RandAugmentSpec) -> dict:
 
 
 def rand_augment_with_geometry(image, spec: RandAugmentSpec, shape: DataNode):
-    """timm's RandAugment over loaders.RAND_AUGMENT_OPS on `image` (its size (h, w) in `shape`) -> (image, the
+    """timm's RandAugment over transforms.RAND_AUGMENT_OPS on `image` (its size (h, w) in `shape`) -> (image, the
     forward pixel map its geometric ops composed to). DALI's apply_rand_augment cannot return that map, so the
     selection is done here with DALI's own `select`, carrying (image, map) through every op.
 

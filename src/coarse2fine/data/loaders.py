@@ -1,9 +1,10 @@
 """`build_loader`: one loader interface over two backends, DALI (default when importable) and torch.
 
 Both backends read the same TFRecord shards and apply the same recipe (docs/contracts.md, "Loaders"); what
-they share lives here so it cannot drift between them: the shard arithmetic, the per-epoch seeds, the
-normalisation constants, the RandAugment op set, random erasing and the crop-window maths (the RandAugment spec
-is parsed once, by the params schema: `config.Augment.rand_augment_spec`). A backend yields raw batches (image,
+they share is defined once, where both import it, so it cannot drift between them: `sampling` (the shard
+arithmetic, the per-epoch seeds, the settings a backend gets) and `transforms` (the normalisation constants, the
+RandAugment op set, random erasing, the crop-window maths); the RandAugment spec is parsed once, by the params
+schema (`config.Augment.rand_augment_spec`). A backend yields raw batches (image,
 label, index, image_hw, and for training crop_box + flip + affine); `Loader` turns them into the contract's batch
 (window, flip, affine) on the runtime's device and stops every rank after the same number of batches.
 
@@ -51,198 +52,23 @@ targets warp the teacher's map of the crop by it (labels/targets.py), so they fo
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import math
-import random
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Protocol
+from typing import Iterator
 
-import numpy as np
 import torch
-from timm.data.constants import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.data.random_erasing import RandomErasing
 
 from coarse2fine.config import Augment
 from coarse2fine.config import Loader as LoaderConfig
 from coarse2fine.data import records
+from coarse2fine.data.sampling import Backend, LoaderSettings, count_records, shard_range, train_batches_per_rank
+from coarse2fine.data.torch_pipeline import TorchBackend
+from coarse2fine.data.transforms import IDENTITY_AFFINE, center_crop_box, normalised_window
 from coarse2fine.distributed import Runtime
 from coarse2fine.errors import UserError
 from coarse2fine.labels.store import TokenLabelStore
 from coarse2fine.labels.targets import moved_rows
-
-IMAGE_MEAN = IMAGENET_DEFAULT_MEAN
-IMAGE_STD = IMAGENET_DEFAULT_STD
-# timm's RandAugment set (its _RAND_TRANSFORMS), which DALI's auto_aug provides too. Left out: Posterize: timm
-# 1.0.31 asks Pillow for 0 bits at high magnitudes (m10, or m9 plus mstd noise), which Pillow 13 rejects with a
-# ValueError that kills the DataLoader worker.
-RAND_AUGMENT_COLOUR_OPS = (
-    "auto_contrast",
-    "equalize",
-    "invert",
-    "solarize",
-    "solarize_add",
-    "color",
-    "contrast",
-    "brightness",
-    "sharpness",
-)
-RAND_AUGMENT_GEOMETRIC_OPS = ("rotate", "shear_x", "shear_y", "translate_x", "translate_y")
-RAND_AUGMENT_OPS = RAND_AUGMENT_COLOUR_OPS + RAND_AUGMENT_GEOMETRIC_OPS
-# timm's strongest geometric ops (level 10; level m is m / 10 of these): degrees, shear factor, and translation as
-# a share of the image's width/height (its translate_pct default).
-MAX_ROTATE_DEGREES = 30.0
-MAX_SHEAR = 0.3
-MAX_TRANSLATE = 0.45
-IDENTITY_AFFINE = torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]])
-
-
-def derive_seed(*parts: int) -> int:
-    """A well-mixed 31-bit seed from several integers (any seed API takes it: DALI, numpy, torch)."""
-    return int(np.random.SeedSequence(list(parts)).generate_state(1)[0] >> 1)
-
-
-@contextlib.contextmanager
-def seeded_global_rngs(seed: int) -> Iterator[None]:
-    """torchvision and timm draw from the global python/numpy/torch RNGs: seed them for one sample and restore
-    them after (this may run in the training process, whose RNG streams must not change)."""
-    python_state, numpy_state = random.getstate(), np.random.get_state()
-    with torch.random.fork_rng(devices=[]):
-        random.seed(seed)
-        np.random.seed(seed)
-        torch.default_generator.manual_seed(seed)  # CPU only: torch.manual_seed also seeds (lazy) CUDA, slowly
-        try:
-            yield
-        finally:
-            random.setstate(python_state)
-            np.random.set_state(numpy_state)
-
-
-_NORMALISE_MEAN = torch.tensor(IMAGE_MEAN).view(3, 1, 1)
-_NORMALISE_STD = torch.tensor(IMAGE_STD).view(3, 1, 1)
-
-
-def normalise_pixels(pixels: torch.Tensor) -> torch.Tensor:
-    """uint8 [3, H, W] (any strides) -> float32 [3, H, W] contiguous, normalised: bit for bit what v2's
-    ToDtype(float32, scale=True) -> Normalize give, but in place on one contiguous buffer (that chain allocates
-    twice and keeps a channels-last stride, which collate then has to gather): 0.85 instead of 1.6 ms a 224 px
-    sample, collate included."""
-    scaled = pixels.to(torch.float32, memory_format=torch.contiguous_format).mul_(1 / 255)
-    return scaled.sub_(_NORMALISE_MEAN).div_(_NORMALISE_STD)
-
-
-def random_erasing(augment: Augment) -> RandomErasing | None:
-    """timm's RandomErasing in pixel mode (a box of per-pixel N(0, 1) noise, normalised units) for a normalised
-    CPU image; None when augment.reprob is 0. The torch backend and the DALI backend's host finish use it."""
-    return RandomErasing(augment.reprob, mode="pixel", device="cpu") if augment.reprob > 0 else None
-
-
-def shard_range(num_records: int, shard: int, num_shards: int) -> range:
-    """The contiguous records of one shard, split as DALI's readers split them (sizes differ by at most 1)."""
-    return range(num_records * shard // num_shards, num_records * (shard + 1) // num_shards)
-
-
-def epoch_permutation(count: int, seed: int, epoch: int) -> torch.Tensor:
-    """The train order of `epoch`: a permutation of range(count) seeded by (seed, epoch), the same on every rank
-    (torch: of the records; DALI: of the shards, read in this order)."""
-    return torch.randperm(count, generator=torch.Generator().manual_seed(derive_seed(seed, epoch)))
-
-
-def train_batches_per_rank(num_records: int, world_size: int, batch_size: int) -> int:
-    """Full batches every rank can fill from its smallest possible share: the same number on every rank."""
-    batches = num_records // world_size // batch_size
-    if batches == 0:
-        raise UserError(
-            f"batch_size {batch_size}: larger than the {num_records // world_size} training records each of "
-            f"{world_size} rank(s) gets; lower the batch size"
-        )
-    return batches
-
-
-def eval_transform(img_size: int, crop_pct: float, interpolation: str) -> dict[str, Any]:
-    """The val loaders' preprocessing as plain data, stored with a model so that `coarse2fine.predict` (or anyone
-    loading it from MLflow) feeds it images exactly as it was validated: resize the shorter side to
-    floor(img_size / crop_pct) with `interpolation`, centre-crop img_size, scale to [0, 1], normalise."""
-    return {
-        "img_size": img_size, "crop_pct": crop_pct, "interpolation": interpolation,
-        "mean": list(IMAGE_MEAN), "std": list(IMAGE_STD),
-    }
-
-
-def resized_short_side(img_size: int, crop_pct: float) -> int:
-    """Evaluation resizes the shorter side to this, then centre-crops img_size (timm's crop_pct rule)."""
-    return math.floor(img_size / crop_pct)
-
-
-def center_crop_box(image_hw: torch.Tensor, img_size: int, crop_pct: float) -> torch.Tensor:
-    """[B, 4] (top, left, height, width) in original pixels of "resize shorter side to floor(S / crop_pct),
-    centre crop S" (larger than the image when crop_pct > 1: the crop is padded)."""
-    image_hw = image_hw.to(torch.float64)
-    side = img_size * image_hw.min(dim=1, keepdim=True).values / resized_short_side(img_size, crop_pct)
-    top_left = (image_hw - side) / 2
-    return torch.cat([top_left, side, side], dim=1)
-
-
-def normalised_window(crop_box: torch.Tensor, image_hw: torch.Tensor) -> torch.Tensor:
-    """[B, 4] float32 (top/H, left/W, height/H, width/W) from pixel boxes (top, left, height, width)."""
-    image_hw = image_hw.to(torch.float64)
-    crop_box = crop_box.to(torch.float64)
-    return torch.cat([crop_box[:, :2] / image_hw, crop_box[:, 2:] / image_hw], dim=1).to(torch.float32)
-
-
-def normalised_affine(pixel_map: torch.Tensor, size_hw: torch.Tensor) -> torch.Tensor:
-    """[B, 2, 3] maps output -> input in continuous pixel coordinates (x, y; pixel centres at +0.5) of images of
-    `size_hw` [B, 2] (height, width) -> the same maps in coordinates normalised to [0, 1], float32."""
-    height, width = size_hw.to(torch.float64).unbind(dim=1)
-    scale = torch.stack([width, height], dim=1)[:, :, None]  # [B, 2, 1]
-    pixel_map = pixel_map.to(torch.float64)
-    linear = pixel_map[:, :, :2] * scale.transpose(1, 2) / scale
-    shift = pixel_map[:, :, 2:] / scale
-    return torch.cat([linear, shift], dim=2).to(torch.float32)
-
-
-def homogeneous(affine: torch.Tensor) -> torch.Tensor:
-    """[..., 2, 3] -> [..., 3, 3] with the row (0, 0, 1)."""
-    last_row = torch.zeros_like(affine[..., :1, :])
-    last_row[..., 2] = 1
-    return torch.cat([affine, last_row], dim=-2)
-
-
-def count_records(shards: list[tuple[Path, Path]]) -> list[int]:
-    """Records per shard: one line per record in its index."""
-    counts = []
-    for _, index_path in shards:
-        with open(index_path, "rb") as index:
-            counts.append(sum(1 for _ in index))
-    return counts
-
-
-class Backend(Protocol):
-    """What a backend gives `Loader`: raw batches of one epoch (CPU or device tensors)."""
-
-    def batches(self, epoch: int, start_batch: int = 0) -> Iterator[dict[str, torch.Tensor]]:
-        """Epoch `epoch`'s raw batches from its batch `start_batch` on: those an uninterrupted epoch yields there."""
-        ...
-
-
-@dataclass(frozen=True)
-class LoaderSettings:
-    """Everything a backend needs besides the shard files, computed once here for both backends."""
-
-    split: str  # train | val
-    img_size: int
-    batch_size: int
-    runtime: Runtime
-    loader_cfg: LoaderConfig
-    augment_cfg: Augment
-    crop_pct: float
-    seed: int
-    record_counts: tuple[int, ...]
-
-    @property
-    def num_records(self) -> int:
-        return sum(self.record_counts)
 
 
 class Loader:
@@ -364,9 +190,8 @@ def build_loader(
         record_counts=tuple(count_records(shards)),
     )
     backend_name = resolve_backend(loader_cfg.backend)
-    # Imported here: the DALI module needs nvidia.dali, and both backends import this module's helpers.
     if backend_name == "dali":
-        from coarse2fine.data.dali_pipeline import DaliBackend as backend_class
+        from coarse2fine.data.dali_pipeline import DaliBackend as backend_class  # here: needs nvidia.dali
     else:
-        from coarse2fine.data.torch_pipeline import TorchBackend as backend_class
+        backend_class = TorchBackend
     return Loader(backend_name, backend_class(shards, settings), settings, token_labels)

@@ -2,20 +2,26 @@
 
 `records_dir/` holds `{split}-{i:05d}-of-{n:05d}.tfrecord` + `.idx` (the DALI / tfrecord index) per shard,
 `classes.json` and `manifest.json`. The manifest is written last: it is the marker of a finished conversion,
-and it lists the shards, so readers never pick up a stale shard of an earlier run.
+and it lists the shards, so readers never pick up a stale shard of an earlier run. `ShardReader` reads any
+record by its position (the torch loader, token-label generation).
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
+import io
+import itertools
 import json
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
+import numpy as np
 from tfrecord import example_pb2
-from tfrecord.reader import tfrecord_loader
+from tfrecord.reader import extract_feature_dict, tfrecord_loader
 from tfrecord.writer import TFRecordWriter
 
 from coarse2fine.errors import UserError
@@ -202,3 +208,46 @@ def read_shard(tfrecord_path: str | Path) -> Iterator[dict[str, Any]]:
     for record in tfrecord_loader(str(tfrecord_path), None, FEATURES):
         numbers = {key: int(record[key][0]) for key, kind in FEATURES.items() if kind == "int"}
         yield {"image": record["image"], "path": record["path"].decode("utf-8"), **numbers}
+
+
+# The tfrecord package's own names for the FEATURES kinds (example_loader's mapping).
+TFRECORD_KINDS = {"byte": "bytes_list", "float": "float_list", "int": "int64_list"}
+# A TFRecord frame: length (uint64 little-endian), its masked CRC (4 bytes), the Example, the Example's CRC.
+FRAME_HEADER, FRAME_FOOTER = 12, 4
+
+
+class ShardReader:
+    """Record k of shard s by position: the indices are read once (here), the files opened once per process."""
+
+    def __init__(self, shards: list[tuple[Path, Path]]):
+        self.paths = [str(tfrecord) for tfrecord, _ in shards]
+        # Per shard, (offset, length) of each whole frame, as the convert stage's index lists them.
+        self.frames = [np.loadtxt(index, dtype=np.int64, ndmin=2) for _, index in shards]
+        # Position of each shard's first record in the split (records are numbered across shards in order).
+        self.first_positions = list(itertools.accumulate((len(frames) for frames in self.frames), initial=0))
+        self._files: list[io.FileIO] = []
+        self._pid = -1  # the process that opened _files: a forked worker must open its own
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_files": [], "_pid": -1}  # open files do not pickle (spawned workers)
+
+    def __len__(self) -> int:
+        return self.first_positions[-1]
+
+    def read_position(self, position: int) -> dict:
+        """The record at `position` of the split (shards in order)."""
+        shard = bisect.bisect_right(self.first_positions, position) - 1
+        return self.read(shard, position - self.first_positions[shard])
+
+    def read(self, shard: int, k: int) -> dict:
+        """The record as the tfrecord package decodes it (ints as 1-element int64 arrays, bytes as bytes)."""
+        if self._pid != os.getpid():
+            self._files = [open(path, "rb", buffering=0) for path in self.paths]
+            self._pid = os.getpid()
+        offset, length = (int(value) for value in self.frames[shard][k])
+        frame = os.pread(self._files[shard].fileno(), length, offset)
+        (size,) = struct.unpack_from("<Q", frame)
+        if len(frame) != length or size != length - FRAME_HEADER - FRAME_FOOTER:
+            raise RuntimeError(f"{self.paths[shard]}: record {k} at byte {offset} does not match its index entry")
+        example = example_pb2.Example.FromString(frame[FRAME_HEADER:-FRAME_FOOTER])
+        return extract_feature_dict(example.features, FEATURES, TFRECORD_KINDS)

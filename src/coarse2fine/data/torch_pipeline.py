@@ -1,7 +1,7 @@
 """The torch backend (fallback without DALI): the same shards read with the `tfrecord` package, the same recipe
 with torchvision v2 and timm (timm's own RandAugment and RandomErasing), a torch DataLoader.
 
-Random access: `ShardReader` loads every shard's index (offset, length per record) once, keeps one file handle
+Random access: `records.ShardReader` loads every shard's index (offset, length per record) once, keeps one file handle
 per shard open in each process that reads (every DataLoader worker, or the main process with workers=0), and
 reads record k with a single pread at its offset; the `tfrecord` package parses the Example. So any sampler
 order works and sharding is exact. (The package's own reader, called per record with `shard=(k, count)`,
@@ -13,20 +13,14 @@ worker count.
 
 from __future__ import annotations
 
-import bisect
 import io
-import itertools
 import math
-import os
-import struct
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 import torch
 from PIL import Image
-from tfrecord import example_pb2
-from tfrecord.reader import extract_feature_dict
 from timm.data.auto_augment import rand_augment_transform
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torchvision.transforms import InterpolationMode, RandomResizedCrop
@@ -34,23 +28,25 @@ from torchvision.transforms import v2
 
 from coarse2fine.config import RandAugmentSpec
 from coarse2fine.data import records
-from coarse2fine.data.loaders import (
-    IDENTITY_AFFINE,
-    RAND_AUGMENT_OPS,
-    homogeneous,
-    normalised_affine,
+from coarse2fine.data.sampling import (
     LoaderSettings,
     derive_seed,
     epoch_permutation,
-    normalise_pixels,
-    random_erasing,
-    resized_short_side,
     seeded_global_rngs,
     shard_range,
     train_batches_per_rank,
 )
+from coarse2fine.data.transforms import (
+    IDENTITY_AFFINE,
+    RAND_AUGMENT_OPS,
+    homogeneous,
+    normalised_affine,
+    normalise_pixels,
+    random_erasing,
+    resized_short_side,
+)
 
-# timm's names for loaders.RAND_AUGMENT_OPS; with inc1 the ops that have one take their "...Increasing" form.
+# timm's names for transforms.RAND_AUGMENT_OPS; with inc1 the ops that have one take their "...Increasing" form.
 TIMM_OPS = {
     "auto_contrast": "AutoContrast",
     "equalize": "Equalize",
@@ -100,7 +96,7 @@ def timm_rand_augment(spec: RandAugmentSpec):
 
 
 class GeometricRandAugment:
-    """timm's RandAugment over loaders.RAND_AUGMENT_OPS, which also returns the affine (normalised output ->
+    """timm's RandAugment over transforms.RAND_AUGMENT_OPS, which also returns the affine (normalised output ->
     input, loaders.py) its geometric ops composed to: each geometric op's function is wrapped to record its
     pixel map, from the very arguments timm drew for it."""
 
@@ -193,54 +189,11 @@ class ValTransform:
         return {"image": to_normalised_tensor(self.resize_and_crop(image))}
 
 
-# The tfrecord package's own names for the FEATURES kinds (example_loader's mapping).
-TFRECORD_KINDS = {"byte": "bytes_list", "float": "float_list", "int": "int64_list"}
-# A TFRecord frame: length (uint64 little-endian), its masked CRC (4 bytes), the Example, the Example's CRC.
-FRAME_HEADER, FRAME_FOOTER = 12, 4
-
-
-class ShardReader:
-    """Record k of shard s by position: the indices are read once (here), the files opened once per process."""
-
-    def __init__(self, shards: list[tuple[Path, Path]]):
-        self.paths = [str(tfrecord) for tfrecord, _ in shards]
-        # Per shard, (offset, length) of each whole frame, as the convert stage's index lists them.
-        self.frames = [np.loadtxt(index, dtype=np.int64, ndmin=2) for _, index in shards]
-        # Position of each shard's first record in the split (records are numbered across shards in order).
-        self.first_positions = list(itertools.accumulate((len(frames) for frames in self.frames), initial=0))
-        self._files: list[io.FileIO] = []
-        self._pid = -1  # the process that opened _files: a forked worker must open its own
-
-    def __getstate__(self) -> dict:
-        return {**self.__dict__, "_files": [], "_pid": -1}  # open files do not pickle (spawned workers)
-
-    def __len__(self) -> int:
-        return self.first_positions[-1]
-
-    def read_position(self, position: int) -> dict:
-        """The record at `position` of the split (shards in order)."""
-        shard = bisect.bisect_right(self.first_positions, position) - 1
-        return self.read(shard, position - self.first_positions[shard])
-
-    def read(self, shard: int, k: int) -> dict:
-        """The record as the tfrecord package decodes it (ints as 1-element int64 arrays, bytes as bytes)."""
-        if self._pid != os.getpid():
-            self._files = [open(path, "rb", buffering=0) for path in self.paths]
-            self._pid = os.getpid()
-        offset, length = (int(value) for value in self.frames[shard][k])
-        frame = os.pread(self._files[shard].fileno(), length, offset)
-        (size,) = struct.unpack_from("<Q", frame)
-        if len(frame) != length or size != length - FRAME_HEADER - FRAME_FOOTER:
-            raise RuntimeError(f"{self.paths[shard]}: record {k} at byte {offset} does not match its index entry")
-        example = example_pb2.Example.FromString(frame[FRAME_HEADER:-FRAME_FOOTER])
-        return extract_feature_dict(example.features, records.FEATURES, TFRECORD_KINDS)
-
-
 class RecordDataset(Dataset):
     """The records of one split, addressed by position in shard order; items are keyed (epoch, position)."""
 
     def __init__(self, shards: list[tuple[Path, Path]], settings: LoaderSettings):
-        self.reader = ShardReader(shards)
+        self.reader = records.ShardReader(shards)
         self.seed = settings.seed
         self.transform = TrainTransform(settings) if settings.split == "train" else ValTransform(settings)
 

@@ -41,8 +41,7 @@ from torchvision.transforms.v2 import functional as F
 
 from coarse2fine import distributed
 from coarse2fine.data import records
-from coarse2fine.data.loaders import IMAGE_MEAN, IMAGE_STD
-from coarse2fine.data.torch_pipeline import ShardReader
+from coarse2fine.data.transforms import IMAGE_MEAN, IMAGE_STD
 from coarse2fine.distributed import Runtime
 from coarse2fine.errors import UserError
 from coarse2fine.files import write_json
@@ -119,7 +118,7 @@ class TrainRecords(Dataset):
     """The train split by position in shard order: (uint8 image in the teacher's view, label, record index)."""
 
     def __init__(self, records_dir: str | Path, view: View):
-        self.reader = ShardReader(records.shard_files(records_dir, "train"))
+        self.reader = records.ShardReader(records.shard_files(records_dir, "train"))
         self.view = view
 
     def __len__(self) -> int:

@@ -239,7 +239,8 @@ def time_listing(root: Path, files: int, out: Path, repeats: int) -> list[float]
     (out / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     command = [
         sys.executable, "stages/source.py", "--params", str(out / "params.yaml"), "--out", str(out / "source.json"),
-        "--teacher-out", str(out / "teacher_source.json"), "--labels-out", str(out / "token_labels_source.json"),
+        "--teacher-out", str(out / "teacher_source.json"), "--pretrain-out", str(out / "pretrain_source.json"),
+        "--finetune-out", str(out / "finetune_source.json"), "--labels-out", str(out / "token_labels_source.json"),
     ]
     env = {**os.environ, "PYTHONPATH": "src"}  # dvc.yaml's
     seconds = []

@@ -43,7 +43,10 @@ RESULT_STAGE = "finetune"
 
 # What `pipeline_identity` hashes, relative to the directory a stage runs in (the repo, or DVC's copy of it).
 CODE_DIRS = ("src", "stages")
-DATA_LISTINGS = ("data/source.json", "data/teacher_source.json", "data/token_labels_source.json")
+DATA_LISTINGS = (
+    "data/source.json", "data/teacher_source.json", "data/pretrain_source.json", "data/finetune_source.json",
+    "data/token_labels_source.json",
+)
 # Where DVC runs a queued or temporary experiment (`dvc exp run --queue/--temp`): a copy of the repo in
 # <project>/.dvc/tmp/exps/<tmpdir> (DVC's TempDirExecutor), removed when the experiment ends, and DVC_ROOT names
 # that copy. Its runs belong in the project's store, not in one that disappears with the copy.

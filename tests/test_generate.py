@@ -22,10 +22,9 @@ from coarse2fine import models
 from coarse2fine.config import CustomVolo, TimmModel
 from coarse2fine.data import records
 from coarse2fine.data.convert import convert
-from coarse2fine.data.loaders import build_loader
-from coarse2fine.data.transforms import IDENTITY_AFFINE, IMAGE_MEAN, IMAGE_STD, RAND_AUGMENT_GEOMETRIC_OPS
+from coarse2fine.data.loaders import IDENTITY_AFFINE, IMAGE_MEAN, IMAGE_STD, RAND_AUGMENT_GEOMETRIC_OPS, build_loader
 from coarse2fine.labels import store, targets
-from coarse2fine.labels.generate import IMAGENET_TRAIN_IMAGES, View, dense_head, generate
+from coarse2fine.labels.generate import IMAGENET_TRAIN_IMAGES, TrainRecords, View, dense_head, generate
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -284,12 +283,33 @@ def test_the_store_is_the_same_whatever_the_worker_count(digits_records, tmp_pat
     assert store_bytes(tmp_path / "workers0" / "labels") == store_bytes(tmp_path / "workers2" / "labels")
 
 
+def whole_train_split(records_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """The train images as generate_store's teacher sees them (whole, 32 px, normalised) and their labels."""
+    images, labels, _ = zip(*TrainRecords(records_dir, View("whole", 32, "bicubic")))
+    mean, std = (torch.tensor(value).view(1, 3, 1, 1) * 255 for value in (IMAGE_MEAN, IMAGE_STD))
+    return (torch.stack(images).float() - mean) / std, torch.tensor(labels)
+
+
+PATCH_WEIGHTS = torch.randn(10, 3 * 8 * 8, generator=torch.Generator().manual_seed(0))
+
+
+def patch_teacher(images: torch.Tensor) -> torch.Tensor:
+    """A fixed random linear classifier of each 8 x 8 patch (a 4 x 4 map at 32 px): unlike an untrained CNN, which
+    gives every digit the same class, its predictions differ between images and between cells."""
+    patches = F.unfold(images, kernel_size=8, stride=8)  # [B, 3 x 8 x 8, 16]
+    return (PATCH_WEIGHTS @ patches).unflatten(-1, (4, 4))
+
+
 def test_store_metrics_and_header(digits_records, tmp_path):
-    result = generate_store(digits_records, tmp_path / "labels", head=dense_head(random_teacher(10)))
-    metrics = result.metrics()
+    metrics = generate_store(digits_records, tmp_path / "labels", head=patch_teacher).metrics()
     assert metrics["bytes_per_image"] == 2 * 4 * 4 * (2 + 2)  # top-2 x 4 x 4 cells x (fp16 log-probability + int16 class)
     assert metrics["imagenet_gb"] == pytest.approx(metrics["bytes_per_image"] * IMAGENET_TRAIN_IMAGES / 1e9)
-    assert 0 <= metrics["dense_top1"] <= 100 and metrics["img_per_s"] > 0
+    # The teacher's prediction for the whole image: the argmax of its mean logits, against the label.
+    images, labels = whole_train_split(digits_records)
+    with torch.inference_mode():
+        predicted = patch_teacher(images).mean(dim=(2, 3)).argmax(dim=1)
+    assert metrics["dense_top1"] == pytest.approx(100 * (predicted == labels).double().mean().item())
+    assert metrics["img_per_s"] > 0
     header = json.loads((tmp_path / "labels" / store.HEADER_FILE).read_text())
     assert header == {"records": 434, "top_k": 2, "grid": 4, "num_classes": 10}
 
@@ -307,7 +327,11 @@ def test_store_metrics_say_what_the_student_is_taught_against_what_the_teacher_s
     assert metrics["outside_top_k"] == pytest.approx(float(left.mean()), rel=1e-4)
     assert abs(metrics["target_entropy"] - metrics["teacher_entropy"]) < 0.1
     assert metrics["target_top1"] == metrics["dense_top1"]  # one prediction, so each is 0 or 100 per class share
-    assert metrics["cell_top1"] <= 100
+    _, labels = whole_train_split(digits_records)
+    assert metrics["dense_top1"] == pytest.approx(100 * (labels == teacher.argmax()).double().mean().item())
+    # Each cell predicts its own argmax: an image scores the share of the 16 cells that name its label.
+    cells_right = (scores.argmax(dim=1) == labels.view(-1, 1, 1)).double().mean(dim=(1, 2))
+    assert metrics["cell_top1"] == pytest.approx(100 * cells_right.mean().item())
 
 
 def run_token_labels_stage(tmp_path: Path, records_dir: Path, teacher_file: Path, nproc: int) -> Path:

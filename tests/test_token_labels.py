@@ -18,8 +18,7 @@ from coarse2fine.config import Params
 from coarse2fine.data import records
 from coarse2fine.errors import UserError
 from coarse2fine.labels.store import TokenLabelStore, write_store
-from coarse2fine.data.loaders import with_target_inputs
-from coarse2fine.data.transforms import IDENTITY_AFFINE, IMAGE_MEAN, IMAGE_STD
+from coarse2fine.data.loaders import IDENTITY_AFFINE, IMAGE_MEAN, IMAGE_STD, with_target_inputs
 from coarse2fine.labels.targets import entropy, moved_rows, token_targets
 
 FULL_WINDOW = torch.tensor([[0.0, 0.0, 1.0, 1.0]])
@@ -465,6 +464,7 @@ def photo_teacher(tmp_path_factory) -> PhotoTeacher:
     return PhotoTeacher(records_dir, params, teacher, head, top1, stores)
 
 
+@pytest.mark.slow  # the photo teacher: 20 epochs, about 75 s
 def test_on_real_photos_the_targets_keep_the_teachers_confidence_and_flat_or_misaligned_ones_are_caught(photo_teacher):
     """The real store and the real train loader's crops: the class targets the student gets are as sharp as the
     ones all C classes would give and agree with the teacher's own prediction on each crop; the reference's

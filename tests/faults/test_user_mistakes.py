@@ -23,8 +23,6 @@ from coarse2fine.config import CustomVolo, TimmModel
 from coarse2fine.labels.store import CLASSES_FILE, write_store
 from conftest import Project
 
-pytestmark = pytest.mark.slow
-
 
 def class_tree(root: Path, layout: dict[str, list[str]]) -> Path:
     """root/<split>/<class>/ with one tiny PNG each (an empty list: no folder for the split at all)."""
@@ -179,7 +177,15 @@ MISTAKES: dict[str, tuple[str, Callable[[Project, Path], dict], list[str]]] = {
 }
 
 
-@pytest.mark.parametrize("mistake", sorted(MISTAKES))
+# make test-fast's one mistake through a real 2-rank launch: the workers find it, not the launcher.
+SMOKE_MISTAKE = "misspelt model name (checked by the workers, not the launcher)"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "mistake",
+    [pytest.param(name, marks=pytest.mark.smoke) if name == SMOKE_MISTAKE else name for name in sorted(MISTAKES)],
+)
 def test_a_user_mistake_is_one_line_and_exit_2(mistake, digits_records, tmp_path):
     stage, set_up, words = MISTAKES[mistake]
     project = Project(tmp_path / "project")
@@ -221,6 +227,7 @@ def test_a_user_mistake_stays_one_line_whichever_rank_torch_calls_the_first_fail
     assert launch._user_errors(ChildFailedError("stages/teacher.py", failures), tmp_path) == []
 
 
+@pytest.mark.slow
 def test_a_stage_says_in_one_line_at_start_what_it_runs_on(digits_records, tmp_path):
     """Device, process-group backend, precision and loader graph, from rank 0 (launch.device auto on a CPU)."""
     project = Project(tmp_path / "project")
@@ -238,6 +245,7 @@ def test_a_stage_says_in_one_line_at_start_what_it_runs_on(digits_records, tmp_p
     assert startup == ["evaluate@pretrain: device cpu x2, backend gloo, precision fp32, loader dali (cpu graph)"]
 
 
+@pytest.mark.slow
 def test_an_empty_params_file_is_one_line_and_exit_2(tmp_path):
     """Every key commented out would otherwise run on the schema's defaults: the digits, not what the file meant."""
     project = Project(tmp_path / "project")

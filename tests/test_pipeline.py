@@ -85,6 +85,27 @@ def model_hash(project: Project) -> str:
     return next(out["md5"] for out in lock["stages"]["pretrain"]["outs"] if out["path"] == "models/pretrain")
 
 
+# make test-fast's whole DAG: every stage once on a tenth of the digits, an epoch per training stage.
+SMOKE = {"data": {"subset": 0.1}, "teacher": {"epochs": 1}, "pretrain": {"epochs": 1}, "finetune": {"epochs": 1}}
+
+
+@pytest.mark.smoke
+def test_every_stage_runs_once_on_a_tiny_subset_under_dvc_and_mlflow(project):
+    """What each stage hands the next fits under real DVC and MLflow: every stage runs, its metrics are of the whole
+    val split, the comparison reads both evaluations, one pipeline run in MLflow has a run of every stage, and a
+    second `dvc repro` finds nothing changed. What is learnt is the slow tests' subject."""
+    project.edit_params(SMOKE)
+    assert project.repro() == EVERY_STAGE
+    val_images = json.loads((project.path / "data/records/manifest.json").read_text())["splits"]["val"]["images"]
+    coarse, fine = project.metrics("evaluate/pretrain"), project.metrics("evaluate/finetune")
+    assert (coarse["n"], fine["n"], coarse["img_size"], fine["img_size"]) == (val_images, val_images, 16, 24)
+    compared = json.loads((project.path / "metrics/compare.json").read_text())
+    assert (compared["pretrain"]["top1"], compared["finetune"]["top1"]) == (coarse["top1"], fine["top1"])
+    (pipeline,) = pipeline_runs(project)
+    assert stage_runs(project, pipeline) == {stage: False for stage in TRACKED_STAGES}
+    assert project.repro() == ALWAYS
+
+
 def test_repro_reruns_exactly_what_a_params_or_code_change_affects(project):
     project.edit_params({"tracking": {"log_models": True}})  # the registered model is checked below
     assert project.repro() == EVERY_STAGE

@@ -161,9 +161,9 @@ def main() -> None:
     )
     text = "\n".join([
         header_line(), "",
-        f"{device_name}: {args.model} at {args.img_size} px, batch {args.batch}, "
-        f"{args.precision}, {'fused ' if runtime.fused_optimizer else ''}AdamW, drop-path 0.1; {args.steps} steps per call, median of {args.repeats} "
-        f"interleaved calls after a warm-up call. Token labels: top-{TOP_K} maps on a {TEACHER_GRID} x "
+        f"{device_name}: {args.model} at {args.img_size} px, batch {args.batch}, {args.precision}, "
+        f"{'fused ' if runtime.fused_optimizer else ''}AdamW, drop-path 0.1; {args.steps} steps per call, median of "
+        f"{args.repeats} interleaved calls after a warm-up call. Token labels: top-{TOP_K} maps on a {TEACHER_GRID} x "
         f"{TEACHER_GRID} grid over {NUM_CLASSES} classes.",
         "", table,
     ])

@@ -193,6 +193,13 @@ class FullyShard:
         data_mesh = self.mesh["data"] if self.mesh is not None else None
         policy = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=torch.float32)
         placement = tensor_parallel.fsdp_placement if self.dims.tensor > 1 else None
+        # BatchNorm's weights stay fp32 and its input as autocast made it, as under DDP (and FSDP1's MixedPrecision,
+        # whose default _module_classes_to_ignore): its running statistics are fp32, and the CPU's kernel refuses
+        # bf16 weights beside them ("expected scalar type BFloat16 but found Float").
+        full_precision = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
+                                              cast_forward_inputs=False)
+        for norm in (module for module in model.modules() if isinstance(module, nn.modules.batchnorm._BatchNorm)):
+            fully_shard(norm, mesh=data_mesh, mp_policy=full_precision, shard_placement_fn=placement)
         for block in blocks(model):
             fully_shard(block, mesh=data_mesh, mp_policy=policy, shard_placement_fn=placement)
         fully_shard(root, mesh=data_mesh, mp_policy=policy, shard_placement_fn=placement)
@@ -238,7 +245,8 @@ class FullyShard:
         total = squares.sum()
         if self.dims.pipeline > 1:
             distributed.all_reduce_sum(total, group=self.mesh.get_group("pipeline"))
-        coefficient = (max_norm / (total.sqrt() + 1e-6)).clamp(max=1.0).item()  # a float: DTensors take it
+        # A 0-dim tensor, not read back (no wait for the device): DTensors take it as a replicated scalar.
+        coefficient = (max_norm / (total.sqrt() + 1e-6)).clamp(max=1.0)
         for grad in grads:
             grad.mul_(coefficient)
 
@@ -265,7 +273,7 @@ class FullyShard:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model_state, optimizer_state = get_state_dict(model, optimizer)
+        model_state, optimizer_state = get_state_dict(model, optimizer, options=_optimizer_by_name())
         name = f"{SHARDS_PREFIX}{tag}"
         partial = checkpoint_dir / f"{name}.partial"
         if self.runtime.is_main:
@@ -288,12 +296,13 @@ class FullyShard:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-        model_state, optimizer_state = get_state_dict(model, optimizer)
+        model_state, optimizer_state = get_state_dict(model, optimizer, options=_optimizer_by_name())
         state = {"model": model_state, "optimizer": optimizer_state}
         readable = _writable(state)
         dcp.load(readable, checkpoint_id=checkpoint_dir / checkpoint["sharded"])  # reshards to this layout
         state = _layout_of(readable, state)
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                       options=_optimizer_by_name())
 
 
 class Pipelined(FullyShard):
@@ -359,6 +368,8 @@ class Pipelined(FullyShard):
             return scale(loss) / self.microbatches  # micro-batch means: their mean is the batch's
 
         self.micro_loss = micro_loss
+        if inferring:
+            self._forget_first_forward()
         inputs = (images,) if self.stage.is_first else ()
         rows = torch.arange(len(images), device=images.device) if self.stage.is_last else None
         with autocast():
@@ -368,6 +379,23 @@ class Pipelined(FullyShard):
         last = self.dims.rank_at(self.dims.pipeline - 1, coordinates["data"], coordinates["tensor"])
         distributed.broadcast_tensors([loss], src=last, group=self.mesh.get_group("pipeline"))
         return loss
+
+    def _forget_first_forward(self) -> None:
+        """The buffers (BatchNorm's running statistics) as they were before the shape inference's forward, once the
+        schedule's first real forward starts: that forward runs the first stage on micro-batch 0, which the step
+        then trains on, and would count its statistics twice."""
+        before = [buffer.clone() for buffer in self.stage_forward.buffers()]
+        calls = 0
+
+        def restore(module: nn.Module, args: Any) -> None:
+            nonlocal calls
+            calls += 1
+            if calls == 2:
+                for buffer, saved in zip(self.stage_forward.buffers(), before):
+                    buffer.copy_(saved)
+                hook.remove()
+
+        hook = self.stage_forward.register_forward_pre_hook(restore)
 
     def whole(self, model: nn.Module) -> nn.Module:
         """The replica filled stage by stage: each tensor from the first data and tensor rank of the stage
@@ -383,6 +411,16 @@ class Pipelined(FullyShard):
                 tensor.copy_(local[key])
             distributed.broadcast_tensors([tensor], src=source)
         return self.replica
+
+
+def _optimizer_by_name() -> Any:
+    """DCP's options for the optimizer's state dict: its settings (lr, weight decay...) keyed by parameter name like
+    its moments, not by param-group position (torchtitan does so). A checkpoint then loads under another grouping
+    (coarse2fine.train groups by tensor kind) and keeps every pipeline stage's settings: positional groups are the
+    same keys on every stage, and DCP writes one stage's."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def _writable(state: Any) -> Any:

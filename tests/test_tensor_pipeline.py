@@ -20,16 +20,20 @@ import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 import torch
 from torch import nn
 
-from coarse2fine import distributed, models, parallel, pipeline, tensor_parallel, train
+from coarse2fine import distributed, losses, models, parallel, pipeline, tensor_parallel, train
 from coarse2fine.config import CustomVolo, Parallel, TimmModel
+from coarse2fine.data.transforms import IDENTITY_AFFINE
+from coarse2fine.distributed import Runtime
 from coarse2fine.errors import UserError
+from coarse2fine.labels.targets import moved_rows
 from coarse2fine.mesh import ParallelDims
-from conftest import PROJECT_ROOT, ListLoader, cpu_runtime, make_params
+from conftest import PROJECT_ROOT, ListLoader, cpu_runtime, make_params, merge
 
 BATCH, MICROBATCHES, STEPS, IMG = 8, 4, 3, 32
 VIT = TimmModel(name="vit_tiny_patch16_224")  # made small below: embed 32, depth 4, 4 heads, 8 px patches
@@ -120,6 +124,27 @@ def test_tensor_parallelism_refuses_a_cnn_and_heads_it_cannot_split():
         tensor_parallel.parallelize(build("vit"), three)
 
 
+def test_clipping_under_a_mesh_clips_as_torch_does_and_reads_no_value_back():
+    """Under a mesh the Trainer clips by its own norm (TP's DTensors beside plain tensors, summed over the stages).
+    Tensors on the meta device have no values: a host read (`.item()`) raises there, as it would make the GPU wait
+    at every update."""
+    strategy = parallel.FullyShard(cpu_runtime(), None, ParallelDims(data=1, tensor=2, pipeline=1))
+    strategy.mesh = SimpleNamespace()  # a mesh as far as clipping goes: one stage, no sum over stages
+
+    def with_grads(device: str, generator: torch.Generator) -> list[nn.Parameter]:
+        parameters = [nn.Parameter(torch.zeros(shape, device=device)) for shape in ((3, 4), (5,))]
+        for parameter in parameters:
+            parameter.grad = torch.randn(parameter.shape, generator=generator).to(device)
+        return parameters
+
+    clipped, reference = (with_grads("cpu", torch.Generator().manual_seed(0)) for _ in range(2))
+    strategy.clip_grad_norm_(clipped, 0.5)
+    torch.nn.utils.clip_grad_norm_(reference, 0.5)
+    assert torch.cat([parameter.grad.flatten() for parameter in reference]).norm() == pytest.approx(0.5)
+    torch.testing.assert_close([parameter.grad for parameter in clipped], [parameter.grad for parameter in reference])
+    strategy.clip_grad_norm_(with_grads("meta", torch.Generator().manual_seed(0)), 0.5)
+
+
 # ------------------------------------------------------------------------------------------- real ranks
 
 def torchrun(nproc: int, out: Path) -> None:
@@ -170,46 +195,128 @@ def test_a_dcp_checkpoint_written_under_a_layout_loads_into_a_plain_model(reques
 
 
 def test_the_trainer_trains_under_tp_and_a_pipeline_as_in_one_process(ranks_out, tmp_path, monkeypatch):
-    """The one Trainer, through fit(): accumulation, clipping, the epoch's DCP checkpoint, validation and the model
-    file; the ranks of a tensor or pipeline group read the same batches, so the world of one with the same
-    batches is the reference. The model files are plain and agree to 1e-5."""
+    """The one Trainer, through fit(), with the recipe's objective: token labels (targets warped for the samples
+    RandAugment moved) and, under TP, MixToken; accumulation, clipping, the epoch's DCP checkpoint, validation and
+    the model file. The ranks of a tensor or pipeline group read the same batches, so a world of one with the same
+    batches is the reference; a pipeline's, with its micro-batches as batches (BatchNorm's statistics are a
+    micro-batch's), and killed after a checkpoint inside the epoch, then resumed. TP runs with torch's fused and
+    foreach kernels too, which take a param group's tensors in one call. The model files are plain and agree to
+    1e-5, the metrics too, and the images per second count each image once."""
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
-    _fit(cpu_runtime(), "one", Parallel(), tmp_path)
-    reference = models.load_model_file(tmp_path / "one" / "model.pt")[0].state_dict()
-    for layout in TRAINED:
-        model, _ = models.load_model_file(ranks_out / layout / "model.pt")
-        torch.testing.assert_close(model.state_dict(), reference, rtol=0, atol=1e-5)
-        metrics = json.loads((ranks_out / layout / "metrics" / "metrics.json").read_text())
-        expected = json.loads((tmp_path / "one" / "metrics" / "metrics.json").read_text())
-        assert metrics["train_loss"] == pytest.approx(expected["train_loss"], abs=1e-5)
+    for reference in ("one", "one-micro"):
+        _fit(cpu_runtime(), reference, Parallel(), tmp_path)
+    for layout, reference in TRAINED.items():
+        files = [out / name for out, name in ((ranks_out, layout), (tmp_path, reference))]
+        (model, _), (expected_model, _) = (models.load_model_file(out / "model.pt") for out in files)
+        torch.testing.assert_close(model.state_dict(), expected_model.state_dict(), rtol=0, atol=1e-5, msg=layout)
+        metrics, expected = (json.loads((out / "metrics" / "metrics.json").read_text()) for out in files)
         assert metrics["val_top1"] == expected["val_top1"]
+        for name in ("train_loss", *losses.TARGET_METRICS):
+            assert metrics[name] == pytest.approx(expected[name], abs=1e-4), (layout, name)
+        images = len(BATCHES) * TRAIN["batch_size"]  # an epoch's, each once: the TP and PP ranks share them
+        assert metrics["train_img_per_s"] * metrics["epoch_seconds"] == pytest.approx(images)
         assert not (ranks_out / layout / "ckpt").exists()  # finished: the checkpoint and its shards are gone
+    # The pipeline's run was killed after the checkpoint of its first update, inside the epoch: only its last
+    # stage's rank computed the objective, and the checkpoint holds its sums (the first two batches' samples).
+    killed = json.loads((ranks_out / "pp-1f1b" / "killed.json").read_text())
+    assert killed["batches"] == 2 and killed["target_sums"][0] is None
+    assert killed["target_sums"][1][-1] == 2 * TRAIN["batch_size"]
 
 
 # ------------------------------------------------------------------------------------------- the rank program
 
-TRAINED = ("tp", "pp-1f1b")  # the layouts the Trainer runs (2 ranks)
-# Two updates of two micro-batches, clipped (the whole model's norm, over the stages), SGD with momentum.
-TRAIN = {"epochs": 1, "batch_size": 8, "accum_steps": 2, "clip_grad": 0.5, "token_label": {"enabled": False},
+# The layouts the Trainer runs (2 ranks), each with its reference in a world of one and the kernel its optimizer is
+# forced to (None: the CPU's default, a loop over the tensors).
+TRAINED = {"tp": "one", "tp-fused": "one", "tp-foreach": "one", "pp-1f1b": "one-micro"}
+KERNELS = {"tp-fused": "fused", "tp-foreach": "foreach"}
+# Two updates of two micro-batches, clipped (the whole model's norm, over the stages), SGD with momentum, one
+# checkpoint inside the epoch (after the first update).
+TRAIN = {"epochs": 1, "batch_size": 8, "accum_steps": 2, "clip_grad": 0.5,
+         "token_label": {"enabled": True, "mix_token": True, "label_smoothing": 0.1},
          "optimizer": {"name": "sgd", "momentum": 0.9, "lr_base": 0.5}, "schedule": {"warmup_epochs": 0}}
+# A pipeline's reference: its micro-batches as batches, as many accumulated; MixToken is refused under a pipeline.
+MICRO = {"batch_size": TRAIN["batch_size"] // MICROBATCHES, "accum_steps": TRAIN["accum_steps"] * MICROBATCHES}
+NO_MIX_TOKEN = {"token_label": {"mix_token": False}}
+
+
+def _token_label_batch(seed: int) -> dict[str, torch.Tensor]:
+    """A train batch as the loader gives it with token labels: a teacher's top-3 maps of 4 x 4 cells per sample,
+    crops, flips, and RandAugment's geometric ops on every other sample (`moved`)."""
+    generator = torch.Generator().manual_seed(seed)
+    size, top_k, cells = TRAIN["batch_size"], 3, 4
+    affine = IDENTITY_AFFINE.repeat(size, 1, 1)
+    affine[1::2, 0, 1] = 0.3 * torch.rand(size // 2, generator=generator)  # sheared
+    classes = torch.stack([torch.randperm(10, generator=generator)[:top_k] for _ in range(size * cells * cells)])
+    return {
+        "image": torch.randn(size, 3, IMG, IMG, generator=generator),
+        "label": torch.randint(0, 10, (size,), generator=generator),
+        "index": torch.arange(size),
+        "window": torch.tensor([0.0, 0.0, 1.0, 1.0]) + 0.2 * torch.rand(size, 4, generator=generator) * torch.tensor(
+            [1.0, 1.0, -1.0, -1.0]),
+        "flip": torch.rand(size, generator=generator) < 0.5,
+        "affine": affine,
+        "moved": moved_rows(affine),
+        "token_log_probs": torch.rand(size, top_k, cells, cells, generator=generator).mul(-3).sub(1).half(),
+        "token_classes": classes.view(size, cells, cells, top_k).permute(0, 3, 1, 2).to(torch.int16),
+    }
+
+
+BATCHES = [_token_label_batch(seed) for seed in range(4)]
+
+
+def _micro_batches(batches: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+    """Each batch cut into the pipeline's micro-batches, in its order, as a loader would give them."""
+    parts = [{key: value[rows] for key, value in batch.items() if key != "moved"}
+             for batch in batches for rows in torch.arange(TRAIN["batch_size"]).chunk(MICROBATCHES)]
+    return [{**part, "moved": moved_rows(part["affine"])} for part in parts]
 
 
 def _fit(runtime, layout: str, cfg: Parallel, out: Path) -> None:
-    # timm's test ViT (embed 64, 6 blocks, 2 heads): VOLO's ground-truth loss goes through a max over tokens,
-    # whose choice float noise can flip (the component tests above cover VOLO)
-    params = make_params(launch={"nproc_per_node": runtime.world_size}, parallel=cfg.model_dump(), pretrain=TRAIN,
-                         model={"name": "test_vit"})
-    train.seed_everything(params.seed, runtime.data_view(ParallelDims.of(cfg, runtime.world_size)))
-    model = models.build_model(params.model, 10, IMG)
-    generator = torch.Generator().manual_seed(0)
-    batches = [{"image": torch.randn(8, 3, IMG, IMG, generator=generator),
-                "label": torch.randint(0, 10, (8,), generator=generator)} for _ in range(4)]
-    train.Trainer(
-        stage="pretrain", params=params, cfg=params.pretrain, model=model, classes=[str(i) for i in range(10)],
-        train_loader=ListLoader(batches), val_loader=ListLoader(batches), runtime=runtime,
-        param_sections=("pretrain",), provenance={"data_digest": "random"}, checkpoint_dir=out / layout / "ckpt",
-        model_file=out / layout / "model.pt", metrics_dir=out / layout / "metrics",
-    ).fit()
+    pipelined = layout.startswith("pp") or layout == "one-micro"
+    pretrain = merge(merge(copy.deepcopy(TRAIN), MICRO if layout == "one-micro" else {}),
+                     NO_MIX_TOKEN if pipelined else {})
+    params = make_params(launch={"nproc_per_node": runtime.world_size}, parallel=cfg.model_dump(), pretrain=pretrain,
+                         model=VOLO.model_dump(), checkpoint={"every_minutes": 0, "every_updates": 1})
+    batches = _micro_batches(BATCHES) if layout == "one-micro" else BATCHES
+
+    def trainer() -> train.Trainer:
+        train.seed_everything(params.seed, runtime.data_view(ParallelDims.of(cfg, runtime.world_size)))
+        model = models.build_model(params.model, 10, IMG, mix_token=params.pretrain.token_label.mixes_tokens)
+        fused = KERNELS.get(layout) == "fused"  # as the Trainer asks on a GPU
+        with mock.patch.object(Runtime, "fused_optimizer", True) if fused else contextlib.nullcontext():
+            made = train.Trainer(
+                stage="pretrain", params=params, cfg=params.pretrain, model=model, classes=[str(i) for i in range(10)],
+                train_loader=ListLoader(batches), val_loader=ListLoader(batches), runtime=runtime,
+                param_sections=("pretrain",), provenance={"data_digest": "random"},
+                checkpoint_dir=out / layout / "ckpt", model_file=out / layout / "model.pt",
+                metrics_dir=out / layout / "metrics", objective=losses.TokenLabelObjective(10, label_smoothing=0.1),
+            )
+        if fused:  # SGD: the plain tensors' groups fused, not the DTensors' (torch has no fused SGD for them)
+            assert [group["fused"] for group in made.optimizer.param_groups] == [True, False, True, False]
+        for group in made.optimizer.param_groups if KERNELS.get(layout) == "foreach" else ():
+            group["foreach"] = True  # what torch picks on a GPU when not fused; on the CPU, a loop over the tensors
+        return made
+
+    if layout != "pp-1f1b":
+        trainer().fit()
+        return
+    killed = trainer()
+    real_backward = killed.backward
+
+    def backward_until_the_second_update(*args, **kwargs):
+        if killed.updates == 1:  # after the checkpoint of the first update, inside the epoch
+            raise KeyboardInterrupt("killed")
+        return real_backward(*args, **kwargs)
+
+    killed.backward = backward_until_the_second_update
+    with contextlib.suppress(KeyboardInterrupt):
+        killed.fit()
+    if runtime.is_main:
+        within = torch.load(killed.checkpoint_path, weights_only=True)["within_epoch"]
+        sums = [rank["objective"]["target_sums"] for rank in within["ranks"]]
+        (out / layout / "killed.json").write_text(json.dumps({
+            "batches": within["batches"], "target_sums": [None if rank is None else rank.tolist() for rank in sums]}))
+    trainer().fit()
 
 
 def _loss(output: models.TrainOutput, labels: torch.Tensor) -> torch.Tensor:
@@ -289,7 +396,7 @@ def _rank_main(out: str) -> None:
                 (Path(out) / f"{layout}-{family}-dcp").mkdir(parents=True, exist_ok=True)
                 _run(runtime, layout, cfg, family, Path(out))
         for layout in TRAINED if runtime.world_size == 2 else ():
-            _fit(runtime, layout, LAYOUTS[layout], Path(out))
+            _fit(runtime, layout, LAYOUTS[layout.split("-")[0] if layout in KERNELS else layout], Path(out))
 
 
 if __name__ == "__main__":

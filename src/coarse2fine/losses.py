@@ -150,10 +150,12 @@ class TokenLabelObjective:
         self.target_sums = state.get("target_sums")
 
     def target_metrics(self, all_reduce_sum: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, float]:
-        """The epoch's mean entropy (nats) and top-1 (% agreeing with the label) of the class and token targets."""
-        if self.target_sums is None:
+        """The epoch's mean entropy (nats) and top-1 (% agreeing with the label) of the class and token targets. A
+        collective: every rank sums, also one that computed no loss (a pipeline's earlier stages), with zeros."""
+        sums = torch.zeros(len(TARGET_METRICS) + 1) if self.target_sums is None else self.target_sums
+        sums, self.target_sums = all_reduce_sum(sums), None
+        if sums[-1] == 0:  # no sample anywhere
             return {}
-        sums, self.target_sums = all_reduce_sum(self.target_sums), None
         means = (sums[:-1] / sums[-1]).tolist()
         return {name: value * (100.0 if name.endswith("top1") else 1.0) for name, value in zip(TARGET_METRICS, means)}
 

@@ -16,7 +16,8 @@ with `torch.load(weights_only=True)`; deleted once the stage's outputs are writt
                stream is a function of (seed, epoch, rank, world)
     within_epoch   None at an epoch's end; inside one, `EpochProgress` as a dict: the micro-batches of epoch `epoch`
                already trained on, and the epoch's sums so far (loss, samples, seconds, skipped updates, the
-               objective's target statistics), so that its metrics come out as an uninterrupted epoch's
+               objective's target statistics), so that its metrics come out as an uninterrupted epoch's: rank 0's,
+               and under `ranks` every rank's, which each resumes
     updates    optimizer updates so far (the scheduler's and the EMA's clock)
     model, optimizer, scheduler, scaler, ema    state dicts (ema: None when off); under FSDP `sharded` instead
                of model and optimizer: the DCP directory beside the file holding them (coarse2fine.parallel)
@@ -51,7 +52,7 @@ from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 
 import numpy as np
 import torch
-from timm.optim import create_optimizer_v2
+from timm.optim import create_optimizer_v2, param_groups_weight_decay
 from timm.scheduler import CosineLRScheduler, PolyLRScheduler
 from timm.scheduler.scheduler import Scheduler
 from timm.utils import ModelEmaV3
@@ -63,6 +64,7 @@ from coarse2fine.data.transforms import eval_transform
 from coarse2fine.distributed import Runtime
 from coarse2fine.errors import UserError
 from coarse2fine.evaluate import evaluate
+from coarse2fine.labels.targets import moved_among
 from coarse2fine.progress import progress
 from coarse2fine.tracking.identity import stage_params
 
@@ -77,6 +79,9 @@ RESUME_ANYWAY = "C2F_RESUME_ANYWAY"
 RESUMED_DESPITE_TAG = "resumed_despite"
 SET_ASIDE_DIR = "set-aside"  # under the checkpoint directory: checkpoints of other inputs, never deleted
 FUSED_OPTIMIZERS = ("adamw", "sgd")  # timm names torch.optim.AdamW and SGD, which have a fused kernel
+# torch 2.14's fused SGD has no DTensor rule ("aten._fused_sgd_.default does not have a sharding strategy
+# registered"); fused AdamW has. SGD's DTensors (FSDP, TP) take torch's default kernel instead (foreach on a GPU).
+FUSED_DTENSOR_OPTIMIZERS = ("adamw",)
 # Reading a checkpoint that fails with an OSError (a network file system's hiccup): tries, and seconds between them.
 CHECKPOINT_READ_TRIES = 3
 CHECKPOINT_READ_RETRY_SECONDS = 5.0
@@ -89,7 +94,8 @@ class Objective(Protocol):
     def prepare(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
     def __call__(self, output: models.TrainOutput, batch: dict[str, torch.Tensor]) -> torch.Tensor: ...
     def target_metrics(self, all_reduce_sum: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, float]:
-        """What the targets taught since the last call, over every rank (e.g. their entropy); {} for none."""
+        """What the targets taught since the last call, summed over every rank by `all_reduce_sum` (e.g. their
+        entropy); {} for none. A collective: every rank calls it."""
         ...
     def state_dict(self) -> dict[str, Any]:
         """This rank's sums behind target_metrics since the last call (a checkpoint inside an epoch holds them)."""
@@ -131,7 +137,11 @@ def build_optimizer(
         # dict), not torch's, which seed_everything seeds per rank: DDP replicas stay identical and resumes exact.
         settings["deterministic"] = True
     kernel = {"fused": True} if fused and cfg.name in FUSED_OPTIMIZERS else {}
-    optimizer = create_optimizer_v2(model, opt=cfg.name, lr=lr, weight_decay=cfg.weight_decay, **settings, **kernel)
+    unfused_dtensors = {"fused": False} if kernel and cfg.name not in FUSED_DTENSOR_OPTIMIZERS else {}
+    optimizer = create_optimizer_v2(
+        model, opt=cfg.name, lr=lr, weight_decay=cfg.weight_decay, **settings, **kernel,
+        param_group_fn=lambda model: _groups_of_one_tensor_kind(model, cfg.weight_decay, unfused_dtensors),
+    )
     if cfg.name == "kron" and next(model.parameters()).device.type == "cpu":
         # timm torch.compiles Kron's preconditioner maths, per parameter shape. On CPU (2 cores) each shape's
         # compile took 3-9 s, the compiled step was slower than eager (1.5 s vs 0.12 s for a 64x3x7x7 conv) and
@@ -141,6 +151,28 @@ def build_optimizer(
         for name in ("_calc_A_and_conjB", "_q_terms", "_precond_grad", "_balance_Q"):
             setattr(optimizer, name, getattr(kron, name))
     return optimizer
+
+
+def _groups_of_one_tensor_kind(
+    model: nn.Module, weight_decay: float, dtensor_settings: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """timm's weight-decay groups, each split into DTensors and plain tensors. torch's fused and foreach kernels
+    take a group's tensors in one call and refuse a mix of the two ("got mixed torch.Tensor and DTensor"), which
+    tensor parallelism without FSDP makes: the split blocks' DTensors beside the replicated stem, outlookers, norms
+    and heads. Groups keep one optimizer and one schedule, and DCP keys the optimizer's state and settings by
+    parameter name (coarse2fine.parallel), so a checkpoint loads under any grouping. (torchtitan instead makes every
+    other parameter a replicated DTensor: VOLO's outlookers and BatchNorm would then run as DTensor operators.)
+    `dtensor_settings`: the DTensor groups' own optimizer settings."""
+    from torch.distributed.tensor import DTensor
+
+    no_weight_decay = getattr(model, "no_weight_decay", set)()
+    groups = param_groups_weight_decay(model, weight_decay, no_weight_decay_list=no_weight_decay)
+    return [
+        {**group, "params": kind, **(dtensor_settings if is_dtensor else {})}
+        for group in groups
+        for is_dtensor in (False, True)
+        if (kind := [param for param in group["params"] if isinstance(param, DTensor) == is_dtensor])
+    ]
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: config.Train, updates_per_epoch: int) -> Scheduler:
@@ -194,7 +226,12 @@ class EpochProgress:
         return {**asdict(self), "loss_sum": self.loss_sum.cpu()}
 
     @classmethod
-    def from_checkpoint(cls, state: dict[str, Any], device: torch.device) -> EpochProgress:
+    def from_checkpoint(cls, within_epoch: dict[str, Any], rank: int, device: torch.device) -> EpochProgress:
+        """Rank `rank`'s progress (the checkpoint's `within_epoch`); a rank the checkpointed run did not have
+        (resumed anyway at another world size) goes on from the same batch with empty sums."""
+        if rank >= len(within_epoch["ranks"]):
+            return cls(batches=within_epoch["batches"], loss_sum=torch.zeros((), device=device))
+        state = within_epoch["ranks"][rank]
         objective = {key: value.to(device) if isinstance(value, torch.Tensor) else value
                      for key, value in state["objective"].items()}
         return cls(**{**state, "loss_sum": state["loss_sum"].to(device), "objective": objective})
@@ -391,16 +428,19 @@ class Trainer:
         for module in (self.model, self.ema.module) if self.ema else (self.model,):
             self.parallel.average_batchnorm(module)
         totals = distributed.all_reduce_sum(torch.stack([sums.loss_sum, sums.loss_sum.new_tensor(float(sums.samples))]))
+        # The ranks of a tensor or pipeline group read the same batches: the images trained on, each once.
+        images = totals[1].item() * self.data_ranks / self.runtime.world_size
         return {
             "train_loss": (totals[0] / totals[1]).item(),
             "lr": self._current_lr(),
-            "train_img_per_s": totals[1].item() / seconds,  # global: every rank's images
+            "train_img_per_s": images / seconds,  # global: every data rank's images
             # Ranks step together (every update waits for the all-reduce), so each rank's rate is the mean.
-            "train_img_per_s_per_rank": totals[1].item() / seconds / self.runtime.world_size,
+            "train_img_per_s_per_rank": images / seconds / self.runtime.world_size,
             "epoch_seconds": seconds,
             # fp16: the updates the grad scaler skipped for inf/NaN gradients (rank 0's; every rank skips alike).
             **({"skipped_updates": sums.skipped_updates} if self.scaler.is_enabled() else {}),
-            **self.objective.target_metrics(distributed.all_reduce_sum),
+            # Every rank's sums on the device (a pipeline's earlier stages hold none: they compute no loss).
+            **self.objective.target_metrics(lambda sums: distributed.all_reduce_sum(sums.to(self.runtime.device))),
         }
 
     def _stop_on_nonfinite_loss(
@@ -432,14 +472,9 @@ class Trainer:
         with self.parallel.gradient_sync(self.train_forward, sync):
             dtype = self.autocast_dtype
             batch = self.objective.prepare(batch)
-            size = len(batch["image"])
 
             def loss_of(output: models.TrainOutput, rows: torch.Tensor | None) -> torch.Tensor:
-                part = batch if rows is None else {
-                    key: value[rows] if isinstance(value, torch.Tensor) and value.ndim and len(value) == size else value
-                    for key, value in batch.items()
-                }
-                loss = self.objective(output, part)
+                loss = self.objective(output, batch if rows is None else micro_batch(batch, rows))
                 return loss * float("nan") if poisoned else loss
 
             return self.parallel.forward_backward(
@@ -481,6 +516,8 @@ class Trainer:
         """Every rank calls it (collectives); rank 0 writes the file (`within_epoch`: taken inside epoch
         `epochs_done`, its progress so far)."""
         rng = distributed.all_gather_objects(_rng_state(self.runtime))
+        # Each rank's sums: the ranks of a pipeline's last stage alone hold the objective's, each data rank its loss.
+        progress = distributed.all_gather_objects(within_epoch.to_checkpoint()) if within_epoch else None
         # Named by the update count: unique among a run's checkpoints, an epoch's end and inside one alike.
         weights = self.parallel.save_state(self.model, self.optimizer, self.checkpoint_path.parent, self.updates)
         self.checkpoints.saved()
@@ -490,7 +527,7 @@ class Trainer:
         models.atomic_save(
             {
                 "epoch": epochs_done,
-                "within_epoch": within_epoch.to_checkpoint() if within_epoch else None,
+                "within_epoch": {**progress[0], "ranks": progress} if progress else None,
                 "updates": self.updates,
                 **weights,
                 "scheduler": self.scheduler.state_dict(),
@@ -564,7 +601,7 @@ class Trainer:
         self.history, self.run_id = list(checkpoint["history"]), checkpoint["run_id"]
         within_epoch = checkpoint.get("within_epoch")
         if within_epoch:
-            self.resumed_epoch = EpochProgress.from_checkpoint(within_epoch, self.runtime.device)
+            self.resumed_epoch = EpochProgress.from_checkpoint(within_epoch, self.runtime.rank, self.runtime.device)
         self.last_checkpoint = self._describe_checkpoint(self.start_epoch, self.resumed_epoch)
         self._print(f"resumed from {self.last_checkpoint} ({self.checkpoint_path})")
         return checkpoint
@@ -581,6 +618,17 @@ class Trainer:
                 path.rename(aside / path.name)
         distributed.barrier()
         return aside
+
+
+def micro_batch(batch: dict[str, torch.Tensor], rows: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A pipeline micro-batch's share of `batch`, `rows` its row indices: the rows of every per-sample tensor, and
+    `moved` (indices into the batch, not a row per sample) for its own rows."""
+    size = len(batch["image"])
+    part = {key: value[rows] if value.ndim and len(value) == size else value
+            for key, value in batch.items() if key != "moved"}
+    if "moved" in batch:
+        part["moved"] = moved_among(rows, batch["moved"])
+    return part
 
 
 def _rng_state(runtime: Runtime) -> dict[str, Any]:

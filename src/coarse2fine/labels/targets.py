@@ -64,8 +64,20 @@ def window_boxes(window: torch.Tensor, grid: int) -> torch.Tensor:
 def moved_rows(affine: torch.Tensor) -> torch.Tensor:
     """The rows of a batch whose RandAugment drew a geometric op (an `affine` [B, 2, 3] other than the identity),
     as indices. The loader finds them on the host, so the step knows their count without waiting for the GPU."""
-    identity = affine.new_tensor([[1, 0, 0], [0, 1, 0]])
-    return (affine != identity).flatten(1).any(dim=1).nonzero().flatten()
+    return is_moved(affine).nonzero().flatten()
+
+
+def is_moved(affine: torch.Tensor) -> torch.Tensor:
+    """[B] bool: whether each row's `affine` [B, 2, 3] is not the identity."""
+    return (affine != affine.new_tensor([[1, 0, 0], [0, 1, 0]])).flatten(1).any(dim=1)
+
+
+def moved_among(rows: torch.Tensor, moved: torch.Tensor) -> torch.Tensor:
+    """A micro-batch's `moved` for token_targets, found without reading the device: `rows` are its row indices in
+    the batch, `moved` the batch's. Which of its rows moved is on the device, how many rows it has and the batch moved
+    is on the host: its first min(those) rows once the moved ones are sorted first, a superset of them."""
+    candidates = min(len(rows), len(moved))
+    return torch.isin(rows, moved).to(torch.uint8).argsort(descending=True, stable=True)[:candidates]
 
 
 def token_targets(
@@ -82,7 +94,8 @@ def token_targets(
 ) -> TokenTargets:
     """The class and token targets of a batch's crops. `log_probs`/`classes` [B, k, s, s] as the store keeps them
     (any float and integer types); `moved`: `moved_rows(affine)`, which the training step gets from the loader
-    (found here when None: on a GPU that waits for the device). Shapes never depend on tensor values, so nothing
+    (found here when None: on a GPU that waits for the device), or a superset of it (`moved_among`: the rows in it
+    whose affine is the identity keep their unwarped targets). Shapes never depend on tensor values, so nothing
     here synchronises with the GPU."""
     maps = dense_maps(log_probs.float(), classes.long(), num_classes)
     boxes = window_boxes(window, maps.shape[-1])
@@ -96,8 +109,10 @@ def token_targets(
         fine = roi_align(maps, boxes.index_select(0, moved), output_size=token_grid * SUPERSAMPLING, aligned=True)
         fine = torch.where(flip.index_select(0, moved).view(-1, 1, 1, 1), fine.flip(-1), fine)
         fine = warped(fine, affine.index_select(0, moved))
-        tokens = tokens.index_copy(0, moved, F.avg_pool2d(fine, SUPERSAMPLING))
-        crop = crop.index_copy(0, moved, fine.mean(dim=(-2, -1)))
+        warp = is_moved(affine.index_select(0, moved))
+        pooled = torch.where(warp.view(-1, 1, 1, 1), F.avg_pool2d(fine, SUPERSAMPLING), tokens.index_select(0, moved))
+        mean = torch.where(warp.view(-1, 1), fine.mean(dim=(-2, -1)), crop.index_select(0, moved))
+        tokens, crop = tokens.index_copy(0, moved, pooled), crop.index_copy(0, moved, mean)
     tokens = tokens.flatten(2).transpose(1, 2)  # [B, C, S, S] -> [B, S*S, C], row-major
     return TokenTargets(smooth(crop.softmax(-1), smoothing), smooth(tokens.softmax(-1), smoothing))
 

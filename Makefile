@@ -13,9 +13,9 @@ export PATH := $(CURDIR)/$(BIN):$(PATH)
 PLOTS_TEMPLATE := .dvc/plots_offline.html
 NPM_CI := npm ci --prefix docs --ignore-scripts --omit=optional --no-audit --no-fund
 
-.PHONY: setup repro test slurm bench ablation screenshot ui sweep clean-venv
+.PHONY: setup plots-if-node repro test test-fast slurm deps bench ablation screenshot ui sweep clean-venv
 
-setup: $(STAMP) $(PLOTS_TEMPLATE)
+setup: $(STAMP)
 
 $(STAMP): pyproject.toml requirements.lock
 	test -x $(BIN)/python || python3 -m venv $(VENV)
@@ -28,15 +28,26 @@ $(PLOTS_TEMPLATE): docs/package-lock.json docs/plots_template.mjs
 	$(NPM_CI) --omit=dev
 	node docs/plots_template.mjs $@
 
-repro: setup
+# For the tests: the plots template where node and npm are installed; elsewhere tests/test_reports.py is skipped,
+# saying why (no other test needs them).
+plots-if-node:
+	@if command -v node >/dev/null && command -v npm >/dev/null; then $(MAKE) --no-print-directory $(PLOTS_TEMPLATE); \
+	  else echo "no node and npm here: $(PLOTS_TEMPLATE) not built, tests/test_reports.py is skipped" >&2; fi
+
+repro: setup $(PLOTS_TEMPLATE)
 	$(BIN)/dvc repro
 
 # The tests in TEST_WORKERS processes (pytest-xdist; one intra-op thread each, tests/conftest.py), stealing work
 # from each other's queues; then the timing-sensitive ones (marked serial) alone. Fails if either part failed.
 TEST_WORKERS ?= 2
-test: setup slurm
+test: setup plots-if-node slurm
 	status=0; $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist worksteal -m "not serial" || status=$$?; \
 	  $(BIN)/python -m pytest -m serial || status=$$?; exit $$status
+
+# The fast tier, before every commit: the unit tests, one whole-DAG `dvc repro` on a tiny subset and one user
+# mistake through a 2-rank launch (the slow tests marked smoke); no serial ones.
+test-fast: setup plots-if-node
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist worksteal -m "(not slow or smoke) and not serial"
 
 # tests/test_slurm.py runs the pipeline on a real Slurm started on this machine: Debian's slurm-wlm and munge,
 # installed here when missing and we are root (elsewhere, or if apt fails, that test says why it is skipped).
@@ -44,6 +55,11 @@ slurm:
 	@if [ "$$(id -u)" = 0 ] && ! { test -x /usr/sbin/slurmctld && test -x /usr/sbin/munged; }; then \
 	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge >/dev/null; } \
 	  || echo "warning: could not install slurm-wlm and munge: tests/test_slurm.py's sbatch test is skipped" >&2; fi
+
+# dvc.yaml's code deps rewritten from the stages' imports, after adding, moving or removing a module
+# (tests/test_provenance.py fails while they differ).
+deps: setup
+	$(BIN)/python scripts/write_code_deps.py
 
 # e.g. make bench BENCH_ARGS="--timm-repo ../pytorch-image-models" (see python bench/run_all.py --help)
 bench: setup
@@ -80,10 +96,13 @@ SWEEP ?= -S data.subset=0.2 -S 'pretrain.optimizer.lr_base=8e-3,1.6e-2,3.2e-2'
 SWEEP_COLUMNS ?= data.subset|pretrain.optimizer.lr_base
 # 1: the first point makes the records, teacher and token labels of the new subset, the others restore them.
 SWEEP_JOBS ?= 1
+# Queuing commits the workspace, which needs a git identity: where git has none (a fresh CI machine), the sweep's own.
+SWEEP_IDENTITY = $(if $(shell git config user.name && git config user.email),,\
+  GIT_AUTHOR_NAME=sweep GIT_AUTHOR_EMAIL=sweep@coarse2fine.invalid GIT_COMMITTER_NAME=sweep GIT_COMMITTER_EMAIL=sweep@coarse2fine.invalid)
 
 sweep: setup
-	$(BIN)/dvc exp run --queue $(SWEEP)
-	$(BIN)/dvc exp run --run-all --jobs $(SWEEP_JOBS)
+	$(SWEEP_IDENTITY) $(BIN)/dvc exp run --queue $(SWEEP)
+	$(SWEEP_IDENTITY) $(BIN)/dvc exp run --run-all --jobs $(SWEEP_JOBS)
 	$(BIN)/dvc exp show --md --drop '.*' --keep 'Experiment|$(SWEEP_COLUMNS)|metrics/evaluate/.*:top1$$'
 
 # The MLflow UI of ./mlflow.db on loopback. MLflow 3.17's UI starts on its GenAI view unless the address (or its
@@ -94,6 +113,21 @@ EXPERIMENT_ID = $(shell $(BIN)/python -c "from mlflow import MlflowClient; e = M
 ui: setup
 	@echo "open http://127.0.0.1:$(UI_PORT)/#/experiments/$(EXPERIMENT_ID)/runs?workflowType=machine_learning"
 	MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false $(BIN)/mlflow ui --backend-store-uri sqlite:///mlflow.db --host 127.0.0.1 --port $(UI_PORT)
+
+# A GPU node (docs/gpu.md). `make wheelhouse PYTHON_VERSION=3.12`, where pip reaches PyPI: every pinned wheel but
+# torch and torchvision (the node's own) for the node's Python, and the project's, in WHEELHOUSE. `make gpu-check`
+# on the node: the GPU smoke tests, DALI's GPU graph, the loaders' and steps' throughput and every stage under DVC,
+# reported in GPU_CHECK_OUT. Not after setup, which would install torch: the python first on PATH (.venv's if any).
+.PHONY: wheelhouse gpu-check
+PYTHON_VERSION ?= 3.12
+WHEELHOUSE ?= wheelhouse
+GPU_CHECK_OUT ?= gpu-check
+
+wheelhouse: $(STAMP)
+	$(BIN)/python scripts/gpu_wheels.py --python-version $(PYTHON_VERSION) --dest $(WHEELHOUSE)
+
+gpu-check:
+	PYTHONPATH=$(CURDIR)/src$${PYTHONPATH:+:$$PYTHONPATH} python3 -m coarse2fine.gpu_check --out $(GPU_CHECK_OUT) $(GPU_CHECK_ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

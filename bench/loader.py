@@ -51,6 +51,7 @@ from coarse2fine.data.loaders import build_loader
 from coarse2fine.data.sampling import derive_seed
 from coarse2fine.data.transforms import IMAGE_MEAN, IMAGE_STD
 from coarse2fine.data.torch_pipeline import timm_rand_augment
+from coarse2fine.distributed import Runtime
 
 IMG_SIZE = 224  # the default --img-size
 BATCH_SIZE = 64
@@ -102,7 +103,7 @@ def parse_args() -> argparse.Namespace:
 class ProjectLoader:
     """One epoch of build_loader's train loader per call; the epoch number advances like training's."""
 
-    def __init__(self, backend: str, records_dir: Path, args: argparse.Namespace):
+    def __init__(self, backend: str, records_dir: Path, args: argparse.Namespace, runtime: Runtime = CPU):
         self.params = parse_params(
             {
                 "loader": {"backend": backend, "workers": args.workers},
@@ -118,7 +119,7 @@ class ProjectLoader:
             records_dir,
             img_size=args.img_size,
             batch_size=BATCH_SIZE,
-            runtime=CPU,
+            runtime=runtime,
             loader_cfg=self.params.loader,
             augment_cfg=self.params.augment,
             crop_pct=1.0,

@@ -40,7 +40,6 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Callable
-from unittest import mock
 from xml.etree import ElementTree
 
 import torch
@@ -149,9 +148,8 @@ def loader_throughput(check: Check) -> tuple[Figures, str]:
     args = argparse.Namespace(workers=loader_workers(), img_size=check.img_size, rand_augment=augment["rand_augment"],
                               reprob=augment["reprob"], interpolation=augment["interpolation"])
     records_dir = photo_records(check)
-    # bench/loader.py's rows build their loaders on its module's CPU runtime; DALI's GPU graph needs the device's.
-    with mock.patch.object(loader_bench, "CPU", world_of_one(check)):
-        rows = {backend: loader_bench.ProjectLoader(backend, records_dir, args) for backend in ("dali", "torch")}
+    runtime = world_of_one(check)  # DALI's GPU graph on the device
+    rows = {backend: loader_bench.ProjectLoader(backend, records_dir, args, runtime) for backend in ("dali", "torch")}
     rates = interleaved(rows, repeats=check.size(gpu=3, dry_run=1))
     medians = {name: statistics.median(values) for name, values in rates.items()}
     figures = {**{f"{name} img/s": median for name, median in medians.items()},

@@ -18,12 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from coarse2fine.data.transforms import RAND_AUGMENT_OPS
+from coarse2fine.data.loaders import RAND_AUGMENT_OPS
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 # A timm source checkout (train.py is not in the wheel, and tests download nothing): CI has none.
 TIMM_REPO = os.environ.get("C2F_TIMM_REPO")
-PROJECT_ROWS = ("pretrain stage, ground truth", "pretrain stage, token labels")
+# The stage's rows, by the pretrain.token_label.enabled their run logs to MLflow.
+PROJECT_ROWS = {"pretrain stage, ground truth": "False", "pretrain stage, token labels": "True"}
 TIMM_ROWS = ("timm train.py", "timm train.py, OMP_NUM_THREADS=1")
 
 
@@ -71,36 +72,57 @@ RATIO = r"\d+\.\d+x"
 RANGE = r"\d+(\.\d+)?-\d+(\.\d+)?"
 
 
+def stage_runs(store: Path, stage: str) -> list:
+    """The MLflow runs of `stage` that ran (not links to a cached result) in the sqlite store `store`."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{store}")
+    experiments = [experiment.experiment_id for experiment in client.search_experiments()]
+    runs = client.search_runs(experiments, f"tags.stage = '{stage}'")
+    return [run for run in runs if "cached_from" not in run.data.tags]
+
+
 @pytest.fixture(scope="module")
-def peer_report(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """bench/peer.py --tiny, run once for the tests below (with timm's rows when C2F_TIMM_REPO is set): its report."""
+def peer_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """bench/peer.py --tiny, run once for the tests below (with timm's rows when C2F_TIMM_REPO is set): its
+    --workdir and its report."""
+    workdir = tmp_path_factory.mktemp("peer")
     timm = ["--timm-repo", TIMM_REPO] if TIMM_REPO else []
-    return run_bench("peer", "--tiny", "--workdir", str(tmp_path_factory.mktemp("peer")), *timm)
+    return workdir, run_bench("peer", "--tiny", "--workdir", str(workdir), *timm)
 
 
 @pytest.mark.slow
-def test_peer_tiny_trains_both_pretrain_rows_through_dvc(peer_report: str) -> None:
-    rows = table_rows(peer_report)
-    for name in PROJECT_ROWS:
+def test_peer_tiny_trains_both_pretrain_rows_through_dvc(peer_run: tuple[Path, str]) -> None:
+    workdir, report = peer_run
+    rows = table_rows(report)
+    # Each row's top-1 is what its own pretrain run computed (one run per row in --tiny).
+    computed = {
+        run.data.params["pretrain.token_label.enabled"]: run.data.metrics["val_top1"]
+        for run in stage_runs(workdir / "project" / "mlflow.db", "pretrain")
+    }
+    assert sorted(computed) == sorted(PROJECT_ROWS.values())
+    for name, token_labels in PROJECT_ROWS.items():
         img_per_s, _, seconds, top1 = rows[name]
         assert float(img_per_s) > 0 and float(seconds) > 0
-        assert 0 <= float(top1) <= 100
-    assert [line.split(" >= ")[0] for line in goal_lines(peer_report)] == list(PROJECT_ROWS)
+        assert top1 == f"{computed[token_labels]:.2f}", (name, computed)
+    assert [line.split(" >= ")[0] for line in goal_lines(report)] == list(PROJECT_ROWS)
 
 
 @pytest.mark.slow
-def test_peer_tiny_without_timm_reports_its_rows_as_not_run(peer_report: str) -> None:
+def test_peer_tiny_without_timm_reports_its_rows_as_not_run(peer_run: tuple[Path, str]) -> None:
     if TIMM_REPO:
         pytest.skip("C2F_TIMM_REPO is set: timm's rows ran (the test below checks them)")
+    _, peer_report = peer_run
     rows = table_rows(peer_report)
     assert [rows[name][0] for name in TIMM_ROWS] == ["not run (no --timm-repo)"] * 2
     assert all(line.endswith("not checked (timm train.py not run: no --timm-repo)") for line in goal_lines(peer_report))
 
 
 @pytest.mark.slow
-def test_peer_tiny_compares_with_timm_train_py(peer_report: str) -> None:
+def test_peer_tiny_compares_with_timm_train_py(peer_run: tuple[Path, str]) -> None:
     if not TIMM_REPO:
         pytest.skip("no timm source checkout: set C2F_TIMM_REPO to one (train.py is not in the timm wheel)")
+    _, peer_report = peer_run
     rows = table_rows(peer_report)
     for name in TIMM_ROWS:
         img_per_s, _, seconds, top1 = rows[name]
@@ -128,15 +150,23 @@ def digits_workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("digits")
 
 
+OPTIMIZER_NAMES = {"AdamW": "adamw", "LAMB": "lamb", "PSGD Kron": "kron"}  # the table's name -> optimizer.name
+
+
 @pytest.mark.slow
 def test_optimizers_tiny_reports_each_optimizer_without_and_with_mixup(digits_workdir: Path) -> None:
     rows = first_table(run_bench("optimizers", "--tiny", "--workdir", str(digits_workdir)))
     assert [row[:3] for row in rows] == [
         [name, mixup, "0.016"] for mixup in ("none", "Mixup 0.2") for name in ("AdamW", "LAMB", "PSGD Kron")
     ]
-    for _, _, _, epochs_to_95, top1, train_seconds, stage_seconds in rows:
-        assert epochs_to_95 == "not reached" or int(epochs_to_95) == 1  # --tiny trains 1 epoch
-        assert 0 <= float(top1) <= 100 and 0 < float(train_seconds) <= float(stage_seconds)
+    for name, mixup, lr_base, epochs_to_95, top1, train_seconds, stage_seconds in rows:
+        # What its run computed (bench/optimizers.py's runs/<optimizer.name>-<lr_base>[-mixup]/): in --tiny one
+        # epoch, whose top-1 and seconds are the row's (tiny runs' top-1 are near chance, and often equal).
+        run = f"{OPTIMIZER_NAMES[name]}-{lr_base}{'-mixup' if mixup != 'none' else ''}"
+        ran = json.loads((digits_workdir / "runs" / run / "metrics" / "metrics.json").read_text())
+        assert (top1, train_seconds) == (f"{ran['val_top1']:.2f}", f"{ran['epoch_seconds']:.1f}"), (run, ran)
+        assert epochs_to_95 == ("1" if ran["val_top1"] >= 95 else "not reached"), (run, ran)
+        assert 0 < float(train_seconds) <= float(stage_seconds)
 
 
 def test_a_metric_a_stage_no_longer_writes_stops_the_bench_naming_file_and_key(

@@ -319,6 +319,7 @@ def test_rand_augment_tiny_times_each_op_both_ways() -> None:
     assert_cells(rows, NUMBER, NUMBER, RATIO)
 
 
+@pytest.mark.slow
 def test_convert_tiny_times_convert_against_copies(tmp_path: Path) -> None:
     report = run_bench("convert", "--tiny", "--workdir", str(tmp_path))
     rows = first_table(report)
@@ -339,6 +340,7 @@ def test_train_step_tiny_times_the_trainer_against_a_bare_loop() -> None:
     assert set(verdicts(report)) <= {"met", "MISSED"}
 
 
+@pytest.mark.slow
 def test_layout_tiny_times_channels_last_images_against_nchw() -> None:
     report = run_bench("layout", "--tiny")
     rows = first_table(report)

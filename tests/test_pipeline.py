@@ -116,7 +116,8 @@ def test_repro_reruns_exactly_what_a_params_or_code_change_affects(project):
     # checks a longer fine-tune against its coarse model).
     assert coarse["top1"] >= 90.0 and fine["top1"] >= 65.0, (coarse, fine)
     assert (coarse["img_size"], fine["img_size"], coarse["n"], fine["n"]) == (16, 24, val_images, val_images)
-    assert "top1_at_16" in fine  # and at the extra test resolution, its position embedding resampled
+    # And at the extra test resolution, its position embedding resampled.
+    assert fine["top1_at_16"] == pytest.approx(finetuned_top1_at(project, 16)), fine
     compared = json.loads((project.path / "metrics/compare.json").read_text())
     assert compared["finetune"]["top1"] == fine["top1"] and compared["pretrain"]["img_size"] == 16
     # report.py rounds the gain to 4 decimals: equal to within half of that last digit.
@@ -277,6 +278,27 @@ def check_the_registered_model_predicts_as_evaluated(project: Project) -> None:
         predicted = json.loads(result.stdout)["predictions"]
         top1 = [entry["top5"][0]["class"] for entry in sorted(predicted, key=lambda entry: int(Path(entry["image"]).stem))]
         assert top1 == [payload["classes"][label] for label in expected.tolist()], model
+
+
+def finetuned_top1_at(project: Project, img_size: int) -> float:
+    """The fine-tuned model rebuilt at `img_size` (its position embedding resampled) on the whole val split through
+    the real val loader: its top-1 %."""
+    from coarse2fine import models
+    from coarse2fine.config import load_params
+    from coarse2fine.data.loaders import build_loader
+    from conftest import cpu_runtime
+
+    params = load_params(project.path / "params.yaml")
+    model_file = project.path / "models/finetune/model.pt"
+    model = models.model_from_payload(models.read_model_file(model_file), model_file, img_size=img_size).eval()
+    loader = build_loader(
+        "val", project.path / "data/records", img_size=img_size, batch_size=64, runtime=cpu_runtime(),
+        loader_cfg=params.loader, augment_cfg=params.augment, crop_pct=params.evaluate.finetune.crop_pct,
+        seed=params.seed,
+    )
+    with torch.inference_mode():
+        hits = torch.cat([model(batch["image"]).argmax(1) == batch["label"] for batch in loader])
+    return 100.0 * hits.double().mean().item()
 
 
 @contextlib.contextmanager
@@ -601,7 +623,10 @@ def test_same_pipeline_on_an_imagefolder_and_a_changed_folder_reruns(project, tm
     assert project.repro(COARSE_TARGET) == UP_TO_COARSE
     manifest = json.loads((project.path / "data/records/manifest.json").read_text())
     assert manifest["splits"]["train"]["images"] == 120
-    assert [item["reason"] for item in manifest["splits"]["train"]["skipped"]]  # the broken file, with a reason
+    # The broken file, and only it, skipped with why (its bytes start like a JPEG's).
+    skipped = [item for split in manifest["splits"].values() for item in split["skipped"]]
+    assert [item["path"] for item in skipped] == ["train/class 0/broken.jpg"], skipped
+    assert skipped[0]["reason"].startswith("cannot decode: "), skipped
     assert json.loads((project.path / "data/records/classes.json").read_text()) == ["class 0", "class 1", "class 7"]
     assert project.metrics("evaluate/pretrain")["n"] == 36
     assert project.metrics("evaluate/pretrain")["top1"] > 60.0  # chance is 33 %

@@ -368,8 +368,6 @@ class Pipelined(FullyShard):
             return scale(loss) / self.microbatches  # micro-batch means: their mean is the batch's
 
         self.micro_loss = micro_loss
-        if inferring:
-            self._forget_first_forward()
         inputs = (images,) if self.stage.is_first else ()
         rows = torch.arange(len(images), device=images.device) if self.stage.is_last else None
         with autocast():
@@ -379,23 +377,6 @@ class Pipelined(FullyShard):
         last = self.dims.rank_at(self.dims.pipeline - 1, coordinates["data"], coordinates["tensor"])
         distributed.broadcast_tensors([loss], src=last, group=self.mesh.get_group("pipeline"))
         return loss
-
-    def _forget_first_forward(self) -> None:
-        """The buffers (BatchNorm's running statistics) as they were before the shape inference's forward, once the
-        schedule's first real forward starts: that forward runs the first stage on micro-batch 0, which the step
-        then trains on, and would count its statistics twice."""
-        before = [buffer.clone() for buffer in self.stage_forward.buffers()]
-        calls = 0
-
-        def restore(module: nn.Module, args: Any) -> None:
-            nonlocal calls
-            calls += 1
-            if calls == 2:
-                for buffer, saved in zip(self.stage_forward.buffers(), before):
-                    buffer.copy_(saved)
-                hook.remove()
-
-        hook = self.stage_forward.register_forward_pre_hook(restore)
 
     def whole(self, model: nn.Module) -> nn.Module:
         """The replica filled stage by stage: each tensor from the first data and tensor rank of the stage

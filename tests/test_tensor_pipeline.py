@@ -31,7 +31,7 @@ from coarse2fine.config import CustomVolo, Parallel, TimmModel
 from coarse2fine.data.transforms import IDENTITY_AFFINE
 from coarse2fine.distributed import Runtime
 from coarse2fine.errors import UserError
-from coarse2fine.labels.targets import moved_rows
+from coarse2fine.labels.targets import moved_rows, token_targets
 from coarse2fine.mesh import ParallelDims
 from conftest import PROJECT_ROOT, ListLoader, cpu_runtime, make_params, merge
 
@@ -143,6 +143,26 @@ def test_clipping_under_a_mesh_clips_as_torch_does_and_reads_no_value_back():
     assert torch.cat([parameter.grad.flatten() for parameter in reference]).norm() == pytest.approx(0.5)
     torch.testing.assert_close([parameter.grad for parameter in clipped], [parameter.grad for parameter in reference])
     strategy.clip_grad_norm_(with_grads("meta", torch.Generator().manual_seed(0)), 0.5)
+
+
+def test_a_micro_batch_s_token_targets_are_its_rows_of_the_batch_s_found_without_reading_the_device(monkeypatch):
+    """A pipeline's loss sees a micro-batch: its `moved` (row indices into the batch, not a row per sample) is
+    its own, a superset of its moved rows of a size the host knows, and its targets are the batch's rows. On the
+    meta device (shapes, no values) a host read would raise, as it would stall a GPU's step."""
+    inputs = ("token_log_probs", "token_classes", "window", "flip", "affine")
+    batch = BATCHES[0]
+    expected = token_targets(*(batch[key] for key in inputs), num_classes=10, token_grid=2, smoothing=0.1)
+    for rows in torch.arange(TRAIN["batch_size"]).chunk(MICROBATCHES):
+        part = train.micro_batch(batch, rows)
+        assert set(part["moved"].tolist()) >= set(moved_rows(part["affine"]).tolist())
+        got = token_targets(*(part[key] for key in inputs), num_classes=10, token_grid=2, smoothing=0.1,
+                            moved=part["moved"])
+        torch.testing.assert_close(got.cls, expected.cls[rows], rtol=0, atol=0)
+        torch.testing.assert_close(got.tokens, expected.tokens[rows], rtol=0, atol=0)
+    part = train.micro_batch({key: value.to("meta") for key, value in batch.items()}, torch.arange(2, device="meta"))
+    monkeypatch.setattr(torch, "autocast", lambda *args, **kwargs: contextlib.nullcontext())  # none for meta
+    output = models.TrainOutput(torch.zeros(2, 10, device="meta"), torch.zeros(2, 4, 10, device="meta"))
+    assert losses.TokenLabelObjective(10, label_smoothing=0.1)(output, part).device.type == "meta"
 
 
 # ------------------------------------------------------------------------------------------- real ranks

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from coarse2fine.data.loaders import RAND_AUGMENT_OPS
+from coarse2fine.data.transforms import RAND_AUGMENT_OPS
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 # A timm source checkout (train.py is not in the wheel, and tests download nothing): CI has none.

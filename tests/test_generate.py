@@ -22,7 +22,8 @@ from coarse2fine import models
 from coarse2fine.config import CustomVolo, TimmModel
 from coarse2fine.data import records
 from coarse2fine.data.convert import convert
-from coarse2fine.data.loaders import IDENTITY_AFFINE, IMAGE_MEAN, IMAGE_STD, RAND_AUGMENT_GEOMETRIC_OPS, build_loader
+from coarse2fine.data.loaders import build_loader
+from coarse2fine.data.transforms import IDENTITY_AFFINE, IMAGE_MEAN, IMAGE_STD, RAND_AUGMENT_GEOMETRIC_OPS
 from coarse2fine.labels import store, targets
 from coarse2fine.labels.generate import IMAGENET_TRAIN_IMAGES, TrainRecords, View, dense_head, generate
 

@@ -18,7 +18,8 @@ from coarse2fine.config import Params
 from coarse2fine.data import records
 from coarse2fine.errors import UserError
 from coarse2fine.labels.store import TokenLabelStore, write_store
-from coarse2fine.data.loaders import IDENTITY_AFFINE, IMAGE_MEAN, IMAGE_STD, with_target_inputs
+from coarse2fine.data.loaders import with_target_inputs
+from coarse2fine.data.transforms import IDENTITY_AFFINE, IMAGE_MEAN, IMAGE_STD
 from coarse2fine.labels.targets import entropy, moved_rows, token_targets
 
 FULL_WINDOW = torch.tensor([[0.0, 0.0, 1.0, 1.0]])

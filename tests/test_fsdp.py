@@ -22,7 +22,7 @@ import torch
 import yaml
 from torch import nn
 
-from coarse2fine import distributed, models, parallel, train
+from coarse2fine import distributed, model_blocks, models, parallel, train
 from coarse2fine.config import CustomVolo, TimmModel
 from conftest import PROJECT_ROOT, make_params
 from test_scale_out import finish, outcome, start_stage
@@ -32,14 +32,14 @@ GLOBAL_BATCH = 8
 
 def test_blocks_are_the_members_of_the_model_s_containers():
     volo = models.build_model(CustomVolo(), num_classes=10, img_size=32)
-    assert [type(block).__name__ for block in parallel.blocks(volo)] == [
+    assert [type(block).__name__ for block in model_blocks.blocks(volo)] == [
         "Outlooker", "Downsample", "Transformer", "Transformer", "Transformer", "ClassBlock", "ClassBlock",
     ]
     resnet = models.build_model(TimmModel(name="resnet10t"), num_classes=10, img_size=32)
     residual = [block for name in ("layer1", "layer2", "layer3", "layer4") for block in getattr(resnet, name)]
-    assert [block for block in parallel.blocks(resnet) if type(block).__name__ == "BasicBlock"] == residual
+    assert [block for block in model_blocks.blocks(resnet) if type(block).__name__ == "BasicBlock"] == residual
     vit = models.build_model(TimmModel(name="vit_tiny_patch16_224"), num_classes=10, img_size=32)
-    assert [type(block).__name__ for block in parallel.blocks(vit)] == ["Block"] * 12
+    assert [type(block).__name__ for block in model_blocks.blocks(vit)] == ["Block"] * 12
 
 
 def test_fsdp_refuses_what_it_cannot_shard():

@@ -12,7 +12,7 @@ No torch import at module level: config.py validates the dimensions with it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from coarse2fine.errors import UserError
 
@@ -20,7 +20,13 @@ if TYPE_CHECKING:
     import torch
     from torch.distributed.device_mesh import DeviceMesh
 
-    from coarse2fine.config import Parallel
+
+class ParallelParams(Protocol):
+    """What the dimensions are made of: params `parallel` (config.Parallel, which imports this module)."""
+
+    data: int
+    tensor: int
+    pipeline: int
 
 DIMENSIONS = ("pipeline", "data", "tensor")  # the mesh's order, outermost first
 
@@ -32,7 +38,7 @@ class ParallelDims:
     pipeline: int
 
     @classmethod
-    def of(cls, cfg: Parallel, world_size: int) -> ParallelDims:
+    def of(cls, cfg: ParallelParams, world_size: int) -> ParallelDims:
         """The dimensions params `parallel` asks for in a world of `world_size` ranks (`data: 0`: the ranks left);
         a ValueError naming the keys and values when their product is not the world size."""
         model_parallel = cfg.tensor * cfg.pipeline
@@ -46,7 +52,7 @@ class ParallelDims:
         return cls(data=data, tensor=cfg.tensor, pipeline=cfg.pipeline)
 
     @classmethod
-    def of_run(cls, cfg: Parallel, world_size: int) -> ParallelDims:
+    def of_run(cls, cfg: ParallelParams, world_size: int) -> ParallelDims:
         """`of` for the world torchrun gave (params.yaml was checked at the launch keys'): a UserError."""
         try:
             return cls.of(cfg, world_size)

@@ -38,7 +38,7 @@ from timm.utils import distribute_bn
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from coarse2fine import distributed
+from coarse2fine import distributed, model_blocks
 from coarse2fine.config import Parallel
 from coarse2fine.distributed import Runtime
 from coarse2fine.files import no_space_behind, out_of_space
@@ -200,7 +200,7 @@ class FullyShard:
                                               cast_forward_inputs=False)
         for norm in (module for module in model.modules() if isinstance(module, nn.modules.batchnorm._BatchNorm)):
             fully_shard(norm, mesh=data_mesh, mp_policy=full_precision, shard_placement_fn=placement)
-        for block in blocks(model):
+        for block in model_blocks.blocks(model):
             fully_shard(block, mesh=data_mesh, mp_policy=policy, shard_placement_fn=placement)
         fully_shard(root, mesh=data_mesh, mp_policy=policy, shard_placement_fn=placement)
         if root is model and hasattr(model, "forward_train"):  # VOLO's training forward (models.TrainForward)
@@ -444,27 +444,6 @@ def _out_of_space(error: BaseException, partial: Path) -> BaseException:
     shutil.rmtree(partial, ignore_errors=True)
     cleanup = "the temporary shards are removed, the last checkpoint kept"
     return out_of_space(partial, full[0] if full else "a shard written short (a full disk or quota)", cleanup)
-
-
-def blocks(model: nn.Module) -> Iterator[nn.Module]:
-    """The units FSDP shards one by one: the members holding parameters of the model's own Sequential and
-    ModuleList children, nested containers flattened; a block's inner containers stay inside it."""
-    return (block for _, block in named_blocks(model))
-
-
-def named_blocks(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """`blocks`, with their names in the model (also the units a pipeline deals out to its stages)."""
-    for name, child in model.named_children():
-        if isinstance(child, (nn.Sequential, nn.ModuleList)):
-            yield from _members(child, name)
-
-
-def _members(container: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Module]]:
-    for name, member in container.named_children():
-        if isinstance(member, (nn.Sequential, nn.ModuleList)):
-            yield from _members(member, f"{prefix}.{name}")
-        elif any(True for _ in member.parameters()):
-            yield f"{prefix}.{name}", member
 
 
 @contextlib.contextmanager

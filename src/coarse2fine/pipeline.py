@@ -1,7 +1,7 @@
 """Pipeline parallelism's split of a model (params `parallel.pipeline`): which of timm's ViT or VOLO parts each
 stage holds, the model pruned to one stage's parts in place, and that stage's forward.
 
-The blocks (the parameterised members of the model's containers, coarse2fine.parallel.named_blocks: ViT's
+The blocks (the parameterised members of the model's containers, coarse2fine.model_blocks.named_blocks: ViT's
 blocks; VOLO's outlookers, downsample, transformers and class blocks) are dealt out in consecutive, equal runs
 (the first stages take one more when they do not divide); the stem goes with the first stage, the final norm and
 heads with the last, VOLO's position embedding with the stage of the first block after which timm adds it and
@@ -19,6 +19,7 @@ from timm.models.vision_transformer import VisionTransformer
 from timm.models.volo import VOLO
 from torch import nn
 
+from coarse2fine import model_blocks
 from coarse2fine.errors import UserError
 
 VIT_STEM = ("patch_embed", "cls_token", "reg_token", "pos_embed", "norm_pre")
@@ -28,14 +29,12 @@ VOLO_POS_EMBED_BEFORE = "network.2"  # timm's VOLO.forward_tokens adds pos_embed
 
 def assign(model: nn.Module, stages: int) -> dict[str, int]:
     """The stage of each parameterised part of `model`, by name (a block, or a top-level module or parameter)."""
-    from coarse2fine.parallel import named_blocks
-
     if not isinstance(model, (VisionTransformer, VOLO)):
         raise UserError(
             f"parallel.pipeline: {stages} splits timm's ViT and VOLO; not {type(model).__name__} (parallel applies "
             f"to every training stage: import the teacher, teacher.mode: import, or train it with pipeline: 1)"
         )
-    blocks = [name for name, _ in named_blocks(model)]
+    blocks = [name for name, _ in model_blocks.named_blocks(model)]
     if len(blocks) < stages:
         raise UserError(f"parallel.pipeline: {stages} stages, but {type(model).__name__} has {len(blocks)} blocks")
     parts = {name: index * stages // len(blocks) for index, name in enumerate(blocks)}

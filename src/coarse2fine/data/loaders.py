@@ -55,7 +55,7 @@ from __future__ import annotations
 import itertools
 import math
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Protocol
 
 import torch
 
@@ -64,18 +64,24 @@ from coarse2fine.config import Loader as LoaderConfig
 from coarse2fine.data import records
 from coarse2fine.data.sampling import Backend, LoaderSettings, count_records, shard_range, train_batches_per_rank
 from coarse2fine.data.torch_pipeline import TorchBackend
-from coarse2fine.data.transforms import IDENTITY_AFFINE, center_crop_box, normalised_window
+from coarse2fine.data.transforms import IDENTITY_AFFINE, center_crop_box, moved_rows, normalised_window
 from coarse2fine.distributed import Runtime
 from coarse2fine.errors import UserError
-from coarse2fine.labels.store import TokenLabelStore
-from coarse2fine.labels.targets import moved_rows
+
+
+class TokenLabelRows(Protocol):
+    """What a loader needs of a token-label store (labels.store.TokenLabelStore): the rows of some records."""
+
+    def lookup(self, record_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log-probabilities, classes) of the records `record_indices`, in the store's dtypes."""
+        ...
 
 
 class Loader:
     """One split's batches on `runtime.device` (docs/contracts.md, "Loaders")."""
 
     def __init__(
-        self, backend_name: str, backend: Backend, settings: LoaderSettings, token_labels: TokenLabelStore | None = None
+        self, backend_name: str, backend: Backend, settings: LoaderSettings, token_labels: TokenLabelRows | None = None
     ):
         self.backend = backend_name
         self._impl = backend
@@ -130,7 +136,7 @@ class Loader:
 
 
 def with_target_inputs(
-    batch: dict[str, torch.Tensor], token_labels: TokenLabelStore | None, *, pin: bool = False
+    batch: dict[str, torch.Tensor], token_labels: TokenLabelRows | None, *, pin: bool = False
 ) -> dict[str, torch.Tensor]:
     """A train batch on the host plus what its token targets need, found here so that the training step never
     waits for the GPU: `moved`, the rows whose affine is not the identity (their count is then host metadata), and
@@ -170,7 +176,7 @@ def build_loader(
     augment_cfg: Augment,
     crop_pct: float,
     seed: int,
-    token_labels: TokenLabelStore | None = None,
+    token_labels: TokenLabelRows | None = None,
 ) -> Loader:
     """A loader for `split` ("train": augmented, sharded, equal batches per rank; "val": centre crop, each
     record once), backend per loader_cfg.backend. With `token_labels` each batch also carries its records' rows of

@@ -104,3 +104,14 @@ def homogeneous(affine: torch.Tensor) -> torch.Tensor:
     last_row = torch.zeros_like(affine[..., :1, :])
     last_row[..., 2] = 1
     return torch.cat([affine, last_row], dim=-2)
+
+
+def moved_rows(affine: torch.Tensor) -> torch.Tensor:
+    """The rows of a batch whose RandAugment drew a geometric op (an `affine` [B, 2, 3] other than the identity),
+    as indices. The loader finds them on the host, so the step knows their count without waiting for the GPU."""
+    return is_moved(affine).nonzero().flatten()
+
+
+def is_moved(affine: torch.Tensor) -> torch.Tensor:
+    """[B] bool: whether each row's `affine` [B, 2, 3] is not the identity."""
+    return (affine != affine.new_tensor([[1, 0, 0], [0, 1, 0]])).flatten(1).any(dim=1)

@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torchvision.ops import roi_align
 
+from coarse2fine.data.transforms import is_moved, moved_rows
+
 # Each token's target averages SUPERSAMPLING x SUPERSAMPLING points of the warped map: 2 is what roi_align's
 # adaptive sampling takes for a crop of twice as many map cells as tokens, and costs 4x the token targets' memory
 # (ImageNet, 1000 classes, 14 x 14 tokens: 3 MB a moved sample).
@@ -59,17 +61,6 @@ def window_boxes(window: torch.Tensor, grid: int) -> torch.Tensor:
     top, left, height, width = (window.to(torch.float32) * grid).unbind(dim=1)
     batch_index = torch.arange(len(window), device=window.device, dtype=torch.float32)
     return torch.stack([batch_index, left, top, left + width, top + height], dim=1)
-
-
-def moved_rows(affine: torch.Tensor) -> torch.Tensor:
-    """The rows of a batch whose RandAugment drew a geometric op (an `affine` [B, 2, 3] other than the identity),
-    as indices. The loader finds them on the host, so the step knows their count without waiting for the GPU."""
-    return is_moved(affine).nonzero().flatten()
-
-
-def is_moved(affine: torch.Tensor) -> torch.Tensor:
-    """[B] bool: whether each row's `affine` [B, 2, 3] is not the identity."""
-    return (affine != affine.new_tensor([[1, 0, 0], [0, 1, 0]])).flatten(1).any(dim=1)
 
 
 def moved_among(rows: torch.Tensor, moved: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,8 @@ from coarse2fine.mesh import ParallelDims
 
 # What this stage reads (as dvc.yaml lists it); tracked in MLflow, and a checkpoint under others is not resumed.
 PARAM_SECTIONS = (
-    "seed", "launch.nnodes", "launch.nproc_per_node", "parallel", "teacher", "loader.backend", "augment",
+    "seed", "launch.nnodes", "launch.nproc_per_node", "parallel", "teacher", "loader.backend", "loader.dali_graph",
+    "augment",
 )
 
 

@@ -14,13 +14,19 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+import psutil
 import pytest
 import torch
 import yaml
 
 from coarse2fine import launch, slurm, train
 from coarse2fine.config import Launch
-from conftest import PROJECT_ROOT, Project, free_ports, merge
+from coarse2fine.data import records
+from coarse2fine.data.loaders import build_loader
+from coarse2fine.distributed import Runtime
+from coarse2fine.labels.store import write_store
+from conftest import PROJECT_ROOT, Project, free_ports, make_params, merge
 from test_train import TIMING_METRICS
 
 
@@ -128,7 +134,19 @@ def test_a_world_of_one_runs_in_the_launchers_own_process_unless_torchrun_may_re
 
 # ------------------------------------------------------------------------------------------ real runs (slow)
 
-PRETRAIN = {"epochs": 2, "batch_size": 16, "token_label": {"enabled": False}}
+# The recipe's objective: token labels (`teacher_labels`) with MixToken.
+PRETRAIN = {"epochs": 2, "batch_size": 16, "token_label": {"enabled": True, "mix_token": True}}
+
+
+def teacher_labels(records_dir: Path, directory: Path) -> Path:
+    """Token labels of a teacher that knows each train image's class: 0.9 for it in every cell of a 2 x 2 map,
+    0.08 for the next class, as the token_labels stage writes them for these records."""
+    examples = [example for shard, _ in records.shard_files(records_dir, "train") for example in records.read_shard(shard)]
+    labels = np.array([example["label"] for example in examples])[np.argsort([example["index"] for example in examples])]
+    classes = np.stack([labels, (labels + 1) % 10], axis=1)[:, :, None, None].repeat(2, 2).repeat(2, 3)
+    log_probs = np.broadcast_to(np.log([0.9, 0.08])[None, :, None, None], classes.shape)
+    write_store(directory, log_probs, classes, num_classes=10, records_digest=records.manifest_digest(records_dir))
+    return directory
 
 
 def start_stage(
@@ -146,9 +164,12 @@ def start_stage(
     written = params.with_suffix(".partial")
     written.write_text(yaml.safe_dump(merge(settings, changes or {})))
     written.replace(params)
+    labels = out / "token_labels"
+    if not labels.exists():  # a resumed stage reads the labels it started with
+        teacher_labels(records, labels)
     command = [
         sys.executable, "-m", "coarse2fine.launch", f"stages/{stage}.py", "--params", str(params),
-        "--records", str(records), "--token-labels", str(out / "no_labels"), "--checkpoint-dir", str(out / "ckpt"),
+        "--records", str(records), "--token-labels", str(labels), "--checkpoint-dir", str(out / "ckpt"),
         "--out", str(out / "model"), "--metrics", str(out / "metrics"), *arguments,
     ]
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{out / 'mlflow.db'}", "OMP_NUM_THREADS": "1",
@@ -193,9 +214,15 @@ def test_two_agents_at_a_c10d_rendezvous_train_as_one_node_with_two_ranks(one_no
     reference_weights, reference_metrics = outcome(one_node_two_ranks)
     torch.testing.assert_close(weights, reference_weights, rtol=0, atol=0)
     assert metrics == reference_metrics
+    # An epoch's images: each rank's whole batches of its half of the train split (the loaders drop the rest).
+    params = make_params(data={"source": "digits"}, pretrain=PRETRAIN)
+    loader = build_loader("train", digits_records, img_size=32, batch_size=16, runtime=Runtime(
+        rank=0, world_size=2, local_rank=0, device=torch.device("cpu")), loader_cfg=params.loader,
+        augment_cfg=params.augment, crop_pct=1.0, seed=params.seed)
+    images = 2 * len(loader) * 16
     for out in (tmp_path, one_node_two_ranks):  # throughput, global and per rank, in both layouts' metrics
         speed = json.loads((out / "metrics" / "metrics.json").read_text())
-        assert speed["train_img_per_s"] > 0
+        assert speed["train_img_per_s"] * speed["epoch_seconds"] == pytest.approx(images)
         assert speed["train_img_per_s_per_rank"] == pytest.approx(speed["train_img_per_s"] / 2)
 
 
@@ -211,9 +238,9 @@ def test_a_killed_rank_is_restarted_and_the_stage_ends_as_if_uninterrupted(one_n
         time.sleep(0.05)
     killed_at = torch.load(checkpoint, weights_only=True)["epoch"]
     # The launcher is the torchrun agent: its children are the ranks.
-    ranks = subprocess.run(["pgrep", "-P", str(process.pid)], capture_output=True, text=True).stdout.split()
+    ranks = psutil.Process(process.pid).children()  # psutil: pinned (MLflow's system metrics), no procps needed
     assert len(ranks) == 2
-    os.kill(int(ranks[-1]), signal.SIGKILL)
+    ranks[-1].kill()
     stdout = finish(process)
     assert killed_at == 1 and "resumed from epoch 1" in stdout
     weights, metrics = outcome(tmp_path)

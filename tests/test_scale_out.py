@@ -141,8 +141,9 @@ PRETRAIN = {"epochs": 2, "batch_size": 16, "token_label": {"enabled": True, "mix
 def teacher_labels(records_dir: Path, directory: Path) -> Path:
     """Token labels of a teacher that knows each train image's class: 0.9 for it in every cell of a 2 x 2 map,
     0.08 for the next class, as the token_labels stage writes them for these records."""
-    examples = [example for shard, _ in records.shard_files(records_dir, "train") for example in records.read_shard(shard)]
-    labels = np.array([example["label"] for example in examples])[np.argsort([example["index"] for example in examples])]
+    examples = sorted((example for shard, _ in records.shard_files(records_dir, "train")
+                       for example in records.read_shard(shard)), key=lambda example: example["index"])
+    labels = np.array([example["label"] for example in examples])
     classes = np.stack([labels, (labels + 1) % 10], axis=1)[:, :, None, None].repeat(2, 2).repeat(2, 3)
     log_probs = np.broadcast_to(np.log([0.9, 0.08])[None, :, None, None], classes.shape)
     write_store(directory, log_probs, classes, num_classes=10, records_digest=records.manifest_digest(records_dir))

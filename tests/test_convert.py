@@ -143,6 +143,7 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return {"root": root, "two_ranks": tmp / "two", "one_rank": tmp / "one", "results": results}
 
 
+@pytest.mark.slow
 def test_stage_exits_0_and_summarises(converted):
     for name, (stdout, stderr, code) in converted["results"].items():
         assert code == 0, f"{name}: {stderr}"
@@ -150,6 +151,7 @@ def test_stage_exits_0_and_summarises(converted):
         assert "5 files skipped" in stdout
 
 
+@pytest.mark.slow
 def test_manifest_counts_and_skipped_reasons(converted):
     manifest = records.read_manifest(converted["two_ranks"])
     assert manifest["classes"] == records.read_classes(converted["two_ranks"]) == ["big dog", "cat"]
@@ -167,6 +169,7 @@ def test_manifest_counts_and_skipped_reasons(converted):
         assert skipped[path].startswith(reason), (path, skipped[path])
 
 
+@pytest.mark.slow
 def test_records_hold_the_images(converted):
     root, records_dir = converted["root"], converted["two_ranks"]
     classes = records.read_classes(records_dir)
@@ -188,6 +191,7 @@ def test_records_hold_the_images(converted):
     assert seen.keys() == GOOD.keys()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["rgba.png", "palette.png"])
 def test_transparent_pixels_become_white(converted, name):
     record = next(record for record in read_split(converted["two_ranks"], "train") if record["path"].endswith(name))
@@ -196,6 +200,7 @@ def test_transparent_pixels_become_white(converted, name):
     assert pixels[:, 8:].mean() < 200  # the opaque noise is kept
 
 
+@pytest.mark.slow
 def test_index_and_digest_taken_while_writing_are_what_reading_the_shard_gives(converted, digits_records, tmp_path):
     """write_shard never reads a shard back: its index must be byte for byte tfrecord's create_index of the file
     (what DALI reads), and the manifest's count, size and sha256 those of the file."""
@@ -229,6 +234,7 @@ def test_a_shard_cut_short_or_replaced_after_conversion_is_refused(digits_record
         records.shard_files(copy, "train")
 
 
+@pytest.mark.slow
 def test_output_is_independent_of_ranks_and_workers(converted):
     two, one = converted["two_ranks"], converted["one_rank"]
     assert records.read_manifest(two) == records.read_manifest(one)  # includes every shard's sha256
@@ -238,6 +244,7 @@ def test_output_is_independent_of_ranks_and_workers(converted):
         assert (two / name).read_bytes() == (one / name).read_bytes(), name
 
 
+@pytest.mark.slow
 def test_converting_again_in_process_is_byte_identical(converted, tmp_path):
     params = make_params(data={"source": "imagefolder", "root": str(converted["root"]), "convert_workers": 2})
     manifest = convert(params, cpu_runtime(), tmp_path)
@@ -318,6 +325,7 @@ def test_photos_are_non_square_patches_of_18_photos_with_val_from_unseen_parts(t
         assert top <= y and y + h <= bottom and left <= x and x + w <= right
 
 
+@pytest.mark.slow
 def test_bad_root_exits_2_with_one_line(tmp_path):
     missing = tmp_path / "no such dir"
     process = run_stage({"data": {"source": "imagefolder", "root": str(missing)}}, tmp_path / "params.yaml", tmp_path / "out")
@@ -326,6 +334,7 @@ def test_bad_root_exits_2_with_one_line(tmp_path):
     assert stderr.strip().count("\n") == 0 and str(missing) in stderr and "Traceback" not in stderr
 
 
+@pytest.mark.slow
 def test_a_disk_that_fills_up_while_writing_a_shard_is_one_line_and_the_rerun_succeeds(tmp_path):
     """RLIMIT_FSIZE below a shard's size fails its write as a full disk does (EFBIG for ENOSPC)."""
     data = {"source": "imagefolder", "root": str(build_image_folder(tmp_path / "images")), "train_shards": 1, "convert_workers": 1}

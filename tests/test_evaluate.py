@@ -286,6 +286,7 @@ def test_stage_refuses_records_with_other_classes(odd_records, model_file, tmp_p
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_stage_evaluates_at_extra_resolutions_with_the_position_embedding_resampled(odd_records, model_file, tmp_path, monkeypatch):
     args = argparse.Namespace(model=str(model_file), settings="finetune", records=str(odd_records), out=str(tmp_path / "out"))
     params = make_params(evaluate={"finetune": {"extra_sizes": [IMG_SIZE, 48]}}, tracking={"experiment": "extra"})

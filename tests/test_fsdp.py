@@ -131,6 +131,7 @@ def test_a_dcp_checkpoint_resumes_at_another_world_size_and_continues_identicall
                for name, before in torch.load(saved / "after_step_2.pt", weights_only=True).items())
 
 
+@pytest.mark.slow
 def test_fsdp_trains_in_bf16_on_the_cpu(tmp_path):
     """FSDP2 gathers the parameters in bf16 but BatchNorm's (VOLO's stem), whose CPU kernel takes no bf16 weights
     beside its fp32 running statistics: the step's loss and gradient are a plain model's under bf16 autocast, to

@@ -250,6 +250,7 @@ def random_teacher(num_classes: int) -> torch.nn.Module:
     return models.build_model(TimmModel(name="resnet10t", output_stride=8), num_classes=num_classes, img_size=32).eval()
 
 
+@pytest.mark.slow
 def test_a_crashed_generation_resumes_to_the_same_bytes(digits_records, tmp_path, capsys):
     head = dense_head(random_teacher(10))
     whole = generate_store(digits_records, tmp_path / "whole" / "labels", head=head)

@@ -478,6 +478,7 @@ def test_a_batch_larger_than_a_ranks_share_is_a_user_error(odd_records):
         make_loader(odd_records, "train", "torch", runtime=rank_runtime(0, 2), batch_size=200)
 
 
+@pytest.mark.slow
 def test_sharding_under_torchrun(odd_records, tmp_path):
     """Two real processes: val records exactly once across ranks (113, odd); train batches equal in number on both
     ranks (12 each, although DALI's shards hold 168 and 169 records) and disjoint; for both backends."""

@@ -182,6 +182,7 @@ def test_an_older_model_file_with_fewer_than_five_classes(digits_records, val_im
         assert values == pytest.approx(probabilities.sort(descending=True).values.tolist(), rel=1e-4)
 
 
+@pytest.mark.slow
 def test_command_line_json_and_text(model_file, val_images, tmp_path, capsys):
     notes = tmp_path / "notes.txt"
     notes.write_text("not an image")
@@ -230,6 +231,7 @@ def test_user_mistakes_are_one_error_line_and_exit_2(model_file, val_images, tmp
     assert len(error_lines) == 1 and error_lines[0].startswith(message.format(**fill))
 
 
+@pytest.mark.slow
 def test_a_registered_mlflow_model_predicts_as_its_model_file(model_file, val_images, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     monkeypatch.chdir(tmp_path)

@@ -195,6 +195,7 @@ def build_trainer(params, stage: str, model, img_size: int, tmp_path: Path) -> t
     return trainer
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", PROFILES, ids=lambda path: path.stem)
 def test_profile_takes_one_real_optimizer_step(path, tmp_path):
     """Both training sections are built; the step is the fine-tuning one (the larger grid, ground-truth mixing),

@@ -133,6 +133,7 @@ def ranks_seen(tmp_path: Path, launcher: subprocess.Popen) -> list[tuple]:
     return [(s["rank"], s["preloaded"], s["argv"]) for s in seen]
 
 
+@pytest.mark.slow
 def test_torchruns_workers_are_forks_of_the_server_too_and_die_with_the_launcher(tmp_path, stage_server):
     assert ranks_seen(tmp_path, launch(tmp_path, "--params", "two.yaml")) == [
         (rank, True, ["stage.py", "--params", "two.yaml"]) for rank in ("0", "1")
@@ -145,6 +146,7 @@ def test_torchruns_workers_are_forks_of_the_server_too_and_die_with_the_launcher
         wait_until_gone(pid)
 
 
+@pytest.mark.slow
 @pytest.mark.own_processes
 def test_the_command_form_runs_its_command_under_a_server_of_its_own(tmp_path):
     assert ranks_seen(tmp_path, launch(tmp_path, "--params", "two.yaml")) == [  # without one: fresh workers

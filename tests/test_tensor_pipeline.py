@@ -189,6 +189,7 @@ def composed_out(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["vit", "volo"])
 @pytest.mark.parametrize("layout", [*LAYOUTS, *COMPOSED])
 def test_a_layout_trains_as_one_process_does(request, layout, family):
@@ -199,6 +200,7 @@ def test_a_layout_trains_as_one_process_does(request, layout, family):
     assert result["loss"] < 1e-5 and result["grad"] < 1e-5, result
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", SAVED)
 def test_a_dcp_checkpoint_written_under_a_layout_loads_into_a_plain_model(request, layout):
     import torch.distributed.checkpoint as dcp
@@ -214,6 +216,7 @@ def test_a_dcp_checkpoint_written_under_a_layout_loads_into_a_plain_model(reques
         assert any((value - build(family).state_dict()[key]).abs().max() > 1e-4 for key, value in expected.items())
 
 
+@pytest.mark.slow
 def test_the_trainer_trains_under_tp_and_a_pipeline_as_in_one_process(ranks_out, tmp_path, monkeypatch):
     """The one Trainer, through fit(), with the recipe's objective: token labels (targets warped for the samples
     RandAugment moved) and, under TP, MixToken; accumulation, clipping, the epoch's DCP checkpoint, validation and

@@ -277,6 +277,7 @@ def test_lineage_links_each_cached_stage_to_the_run_that_made_its_outputs(workdi
     assert lines == [f"teacher: cached, made by run {made['teacher'].run_id} (pipeline run {made['teacher'].pipeline_run_id})"]
 
 
+@pytest.mark.slow
 def test_a_training_run_holds_its_datasets_curves_and_model_and_the_result_is_registered(
     workdir, store, request, digits_records
 ):
@@ -362,6 +363,7 @@ def test_a_model_torch_export_refuses_is_one_warning_and_the_run_goes_on(workdir
     assert "curves.png" in {item.path for item in client(store).list_artifacts(tracker.run_id)}  # MLflow stayed on
 
 
+@pytest.mark.slow
 def test_a_warning_after_mlflow_pytorch_is_imported_still_reaches_the_terminal():
     """mlflow.pytorch's import calls logging.basicConfig(level=ERROR): imported as is, every later warning of the
     project (a model that was not logged, above) is dropped on its way to stderr, in a stage's process."""
@@ -396,6 +398,7 @@ def test_the_git_commit_tag_is_mlflows():
     assert GIT_COMMIT_TAG == MLFLOW_GIT_COMMIT  # spelled out in identity.py, which must not import mlflow
 
 
+@pytest.mark.slow
 @pytest.mark.own_processes  # its subject is what the stage's process imports (in a stage server, a fork records)
 def test_a_lineage_with_nothing_new_to_record_does_not_import_mlflow(workdir, store, request):
     """stages/lineage.py as dvc.yaml runs it, under `python -X importtime`: the first run records (and imports
@@ -431,6 +434,7 @@ def test_an_experiment_from_an_older_store_gets_the_training_kind(workdir, store
     assert client(store).get_experiment(experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"
 
 
+@pytest.mark.slow
 def test_an_evaluation_names_the_run_that_wrote_its_model_file(workdir, store, request):
     model_file = workdir / "model.pt"
     model_file.write_bytes(b"weights")
@@ -650,6 +654,7 @@ OPEN_A_RUN = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_stages_creating_a_fresh_store_at_once_both_succeed(tmp_path):
     # Parallel `dvc exp` queue workers start on a project without mlflow.db: MLflow's schema migration
     # races unless the store's creation is serialised.
@@ -680,6 +685,7 @@ UNUSABLE_STORES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("uri", UNUSABLE_STORES.values(), ids=UNUSABLE_STORES.keys())
 def test_an_unusable_mlflow_store_is_one_warning_and_the_stage_goes_on(tmp_path, uri):
     env = {"MLFLOW_TRACKING_URI": uri, "PATH": str(Path(sys.executable).parent),
@@ -722,6 +728,7 @@ def schema_revision(database: Path) -> str | None:
             return None
 
 
+@pytest.mark.slow
 def test_the_store_appears_only_once_its_schema_is_complete(tmp_path):
     """MLflow's schema migration takes seconds; torchrun SIGTERMs every rank when one fails (a user mistake on
     rank 1 while rank 0 creates mlflow.db), and a stage stopped inside the migration left a database every later

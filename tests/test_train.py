@@ -197,6 +197,7 @@ def test_kron_updates_do_not_depend_on_the_rank_s_random_stream(tmp_path):
     torch.testing.assert_close(weights[0], weights[1], rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_kron_resumes_from_a_checkpoint_to_the_uninterrupted_result(tmp_path):
     batch = random_batch(8, seed=0)
     uninterrupted = kron_trainer(tmp_path / "uninterrupted")
@@ -269,6 +270,7 @@ def test_a_nonfinite_loss_stops_the_stage_naming_epoch_and_step_and_keeps_the_la
     assert not trainer.model_file.exists()
 
 
+@pytest.mark.slow
 def test_under_fp16_a_nonfinite_loss_is_a_skipped_update_counted_in_the_metrics(tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     batches = [random_batch(8, seed) for seed in range(4)]
@@ -310,6 +312,7 @@ def test_checkpoint_restores_the_whole_training_state(tmp_path):
     assert resumed.optimizer.param_groups[0]["lr"] == trainer.optimizer.param_groups[0]["lr"]
 
 
+@pytest.mark.slow
 def test_a_run_killed_inside_an_epoch_resumes_from_its_checkpoint_there_to_the_uninterrupted_result(
     tmp_path, monkeypatch, capsys
 ):
@@ -387,6 +390,7 @@ def test_checkpoint_from_other_params_is_set_aside_not_resumed(tmp_path, capsys)
     assert f"{train.RESUME_ANYWAY}=1" in out
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_other_inputs_resumes_anyway_when_asked_and_the_run_says_so(tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     monkeypatch.setenv(train.RESUME_ANYWAY, "1")
@@ -457,6 +461,7 @@ def test_a_checkpoint_that_cannot_be_read_for_a_transient_reason_is_retried_and_
         trainer.load_checkpoint()
 
 
+@pytest.mark.slow
 def test_rerun_after_the_last_epoch_only_writes_the_outputs(tmp_path, monkeypatch):
     """Killed between the last checkpoint and the model file: the rerun trains nothing (its loader would fail if
     iterated), writes the checkpoint's weights and metrics, and deletes the checkpoint (DVC caches the result)."""

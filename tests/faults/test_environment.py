@@ -25,8 +25,9 @@ with sole_writer(sys.argv[1], "source"):
 
 
 def run_source_stage(out, env) -> subprocess.CompletedProcess:
-    command = [sys.executable, "stages/source.py", "--out", str(out), "--teacher-out", str(out.with_name("t.json")),
-               "--labels-out", str(out.with_name("l.json"))]
+    listings = {option: str(out.with_name(f"{option}.json")) for option in ("teacher", "pretrain", "finetune", "labels")}
+    command = [sys.executable, "stages/source.py", "--out", str(out),
+               *(word for option, path in listings.items() for word in (f"--{option}-out", path))]
     return subprocess.run(command, cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 

@@ -229,9 +229,10 @@ class EpochProgress:
     def from_checkpoint(cls, within_epoch: dict[str, Any], rank: int, device: torch.device) -> EpochProgress:
         """Rank `rank`'s progress (the checkpoint's `within_epoch`); a rank the checkpointed run did not have
         (resumed anyway at another world size) goes on from the same batch with empty sums."""
-        if rank >= len(within_epoch["ranks"]):
+        ranks = within_epoch.get("ranks", [within_epoch])  # a checkpoint from before `ranks`: rank 0's alone
+        if rank >= len(ranks):
             return cls(batches=within_epoch["batches"], loss_sum=torch.zeros((), device=device))
-        state = within_epoch["ranks"][rank]
+        state = ranks[rank]
         objective = {key: value.to(device) if isinstance(value, torch.Tensor) else value
                      for key, value in state["objective"].items()}
         return cls(**{**state, "loss_sum": state["loss_sum"].to(device), "objective": objective})

@@ -4,6 +4,7 @@ source images, a killed run resumed, experiments running their own code."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -476,37 +477,16 @@ def test_a_student_without_token_labels_never_waits_for_them(project):
     assert project.repro("pretrain") == {"source"}
 
 
-def test_a_queued_experiment_runs_its_own_code(project):
-    """`dvc exp run --queue` snapshots the workspace; its run must import that snapshot's src/, not the
-    workspace's (nor the editable install's)."""
-    # What is trained does not matter here: one epoch each (the sentinel's module reruns the teacher and pretrain too).
-    project.edit_params({"teacher": {"epochs": 1}, "pretrain": {"epochs": 1}})
-    assert project.repro(COARSE_TARGET) == UP_TO_COARSE
-    project.commit("results")
-    reported = project.metrics("evaluate/pretrain")["top1"]
-
-    project.edit_code(*SENTINEL_TOP1)
-    project.run("dvc", "exp", "run", "--queue", "--name", "sentinel", COARSE_TARGET)
-    project.run("git", "checkout", "--", SENTINEL_TOP1[0])  # the workspace's code reports the truth again
-    # `dvc queue start` returns once its worker is done (the worker holds the output pipe until then).
-    project.run("dvc", "queue", "start")
-    for _ in range(300):
-        if "sentinel" in project.run("dvc", "exp", "list", "--name-only").stdout:
-            break
-        time.sleep(1)
-    shown = json.loads(project.run("dvc", "exp", "show", "--json").stdout)
-    experiments = {
-        experiment["name"]: experiment for baseline in shown for experiment in baseline.get("experiments") or []
-    }
-    results = experiments["sentinel"]["revs"][0]["data"]["metrics"]
-    assert results["metrics/evaluate/pretrain/metrics.json"]["data"]["top1"] == -1.0
-    assert project.metrics("evaluate/pretrain")["top1"] == reported  # the workspace is untouched
-
-
-# Sweeps: a short teacher and students (what is trained does not matter, which stages run and what they report does).
+# The queue tests share one queue, as a user's queue holds several sweeps: one baseline (a short teacher and
+# students: what is trained does not matter, which stages run and what they report does), then queued on it a
+# pretrain.* sweep, a teacher.* sweep and an experiment of edited code, run by one `dvc exp run --run-all --jobs 2`
+# (two at a time: one MLflow store, one DVC cache). Each test asserts on what the queue left; only the pretrain
+# sweep's test edits the workspace afterwards, so everything the other two read is taken before it.
 SWEEP_EPOCHS = {"teacher": {"epochs": 1}, "pretrain": {"epochs": 3}, "finetune": {"epochs": 1}}
 SHARED = ("convert", "teacher", "token_labels")  # a pretrain.* sweep must restore these, not run them
 FROM_PRETRAIN = {"pretrain", "evaluate@pretrain", *FINETUNED}
+LR_POINTS = [0.016, 0.064]  # the baseline's pretrain.optimizer.lr_base is FAST's 0.032
+TEACHER_POINTS = [2, 3]  # the baseline's teacher.epochs is SWEEP_EPOCHS' 1
 
 
 def without_tracking_uri(project: Project) -> dict[str, str]:
@@ -534,23 +514,76 @@ def restored_not_run(log: str, stage: str) -> bool:
     return f"Stage '{stage}' didn't change, skipping" in log or f"Stage '{stage}' is cached - skipping run" in log
 
 
-def test_a_queued_sweep_pays_only_for_the_stages_its_param_reaches(project):
+def queued_names(project: Project) -> set[str]:
+    """The names of the experiments waiting in the queue (`dvc queue status`: task, name, created, status)."""
+    rows = [line.split() for line in project.run("dvc", "queue", "status").stdout.splitlines()]
+    return {row[1] for row in rows if len(row) > 2 and row[-1] == "Queued"}
+
+
+@dataclasses.dataclass
+class Queue:
+    project: Project
+    batches: dict[str, set[str]]  # "lr", "teacher", "sentinel" -> the names of the experiments queued by each
+    results: dict[str, dict]  # experiment_results once the queue ran
+    logs: dict[str, str]  # name -> `dvc queue logs`
+    listed: str  # `dvc exp list --name-only`
+    reported: float  # the workspace's coarse top-1 before the queue ran
+    reported_after: float  # and after
+
+
+@pytest.fixture(scope="module")
+def queue(tmp_path_factory) -> Queue:
+    project = Project(tmp_path_factory.mktemp("queue") / "project")
+    project.edit_params(FAST)
+    project.edit_params(SWEEP_EPOCHS)
+    project.commit("fast params")
+    assert project.repro() == EVERY_STAGE
+    project.commit("baseline")
+    reported = project.metrics("evaluate/pretrain")["top1"]
+    env = without_tracking_uri(project)
+    batches = {}
+
+    def enqueue(batch: str, *args: str) -> None:
+        before = queued_names(project)
+        project.run("dvc", "exp", "run", "--queue", *args, env=env)
+        batches[batch] = queued_names(project) - before
+
+    enqueue("lr", "-S", f"pretrain.optimizer.lr_base={','.join(map(str, LR_POINTS))}")  # make sweep's workflow
+    enqueue("teacher", "-S", f"teacher.epochs={','.join(map(str, TEACHER_POINTS))}", COARSE_TARGET)
+    project.edit_code(*SENTINEL_TOP1)
+    enqueue("sentinel", "--name", "sentinel", COARSE_TARGET)
+    project.run("git", "checkout", "--", SENTINEL_TOP1[0])  # the workspace's code reports the truth again
+    project.run("dvc", "exp", "run", "--run-all", "--jobs", "2", env=env)
+
+    results = experiment_results(project)
+    return Queue(
+        project=project, batches=batches, results=results,
+        logs={name: project.run("dvc", "queue", "logs", name).stdout for name in results},
+        listed=project.run("dvc", "exp", "list", "--name-only").stdout, reported=reported,
+        reported_after=project.metrics("evaluate/pretrain")["top1"],
+    )
+
+
+def test_a_queued_experiment_runs_its_own_code(queue):
+    """`dvc exp run --queue` snapshots the workspace; its run must import that snapshot's src/, not the
+    workspace's (nor the editable install's). (The sentinel's module reruns the teacher and pretrain too.)"""
+    assert queue.batches["sentinel"] == {"sentinel"} and "sentinel" in queue.listed
+    results = queue.results["sentinel"]["metrics"]
+    assert results["metrics/evaluate/pretrain/metrics.json"]["top1"] == -1.0
+    assert queue.reported_after == queue.reported  # the workspace is untouched
+
+
+def test_a_queued_sweep_pays_only_for_the_stages_its_param_reaches(queue):
     """`make sweep`'s workflow on pretrain.optimizer.lr_base, two points run side by side (--jobs 2: one MLflow
     store, one DVC cache): each experiment restores convert, the teacher and the token labels from the cache and
     runs pretrain and what follows; each reaches the top-1 the same point reaches in the workspace; its MLflow
     pipeline run (in the project's store, though the experiment ran in a temporary copy) links the cached stages."""
-    project.edit_params(SWEEP_EPOCHS)
-    assert project.repro() == EVERY_STAGE
-    project.commit("baseline")
-    env = without_tracking_uri(project)
-    project.run("dvc", "exp", "run", "--queue", "-S", "pretrain.optimizer.lr_base=0.016,0.064", env=env)
-    project.run("dvc", "exp", "run", "--run-all", "--jobs", "2", env=env)
-
-    results = experiment_results(project)
-    assert sorted(result["params"]["pretrain"]["optimizer"]["lr_base"] for result in results.values()) == [0.016, 0.064]
+    project = queue.project
+    results = {name: queue.results[name] for name in queue.batches["lr"]}
+    assert sorted(result["params"]["pretrain"]["optimizer"]["lr_base"] for result in results.values()) == LR_POINTS
     pipelines = {run.data.tags.get("dvc.experiment"): run for run in pipeline_runs(project)}
     for name, result in results.items():
-        log = project.run("dvc", "queue", "logs", name).stdout
+        log = queue.logs[name]
         assert ran_stages(log) == {*ALWAYS, *FROM_PRETRAIN}, log
         assert all(restored_not_run(log, stage) for stage in SHARED), log
         assert "is not usable" not in log, log  # MLflow's store took both experiments' writes
@@ -570,20 +603,13 @@ def test_a_queued_sweep_pays_only_for_the_stages_its_param_reaches(project):
             assert result["metrics"][path]["top1"] == project.metrics(f"evaluate/{model}")["top1"], (model, result)
 
 
-def test_a_queued_sweep_of_a_teacher_param_reruns_the_teacher_and_its_labels(project):
+def test_a_queued_sweep_of_a_teacher_param_reruns_the_teacher_and_its_labels(queue):
     """Up to the coarse model: the teacher and its token labels rerun in each point, the records are restored, and
-    pretrain (on the ground truth here, FAST) stays cached: it does not learn from the labels. One pretrain epoch:
-    what it learns does not matter here."""
-    project.edit_params({"pretrain": {"epochs": 1}})
-    assert project.repro(COARSE_TARGET) == UP_TO_COARSE
-    project.commit("baseline")
-    project.run("dvc", "exp", "run", "--queue", "-S", "teacher.epochs=1,2", COARSE_TARGET)
-    project.run("dvc", "exp", "run", "--run-all", "--jobs", "1")
-
-    results = experiment_results(project)
-    assert sorted(result["params"]["teacher"]["epochs"] for result in results.values()) == [1, 2]
+    pretrain (on the ground truth here, FAST) stays cached: it does not learn from the labels."""
+    results = {name: queue.results[name] for name in queue.batches["teacher"]}
+    assert sorted(result["params"]["teacher"]["epochs"] for result in results.values()) == TEACHER_POINTS
     for name in results:
-        log = project.run("dvc", "queue", "logs", name).stdout
+        log = queue.logs[name]
         assert ran_stages(log) == {"source", "teacher", "token_labels"}, log
         assert all(restored_not_run(log, stage) for stage in ("convert", "pretrain", "evaluate@pretrain")), log
 

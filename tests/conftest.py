@@ -46,6 +46,100 @@ def pytest_configure(config: pytest.Config) -> None:
         torch.set_num_threads(1)
 
 
+# Longest first: the tests ordered by their durations in a committed file, so that pytest-xdist's workers start on
+# long tests and end on short ones, not one of them with a long test alone (docs/testing.md: refreshing the file).
+DURATIONS_FILE = Path(__file__).with_name("durations.json")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--update-durations", action="store_true",
+        help=f"write each test's setup + call + teardown seconds of this run into {DURATIONS_FILE.name} "
+        "(the other entries kept), the order the next runs start their tests in",
+    )
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The items in longest-first lanes, one per xdist worker (longest_first), by DURATIONS_FILE. The users of a
+    module-scoped fixture stay together, in their order, as one block of their summed durations: split, each part
+    would build the fixture again (a test's setup is in its duration). Every process orders the same collection
+    alike (xdist requires it)."""
+    known = json.loads(DURATIONS_FILE.read_text()) if DURATIONS_FILE.is_file() else {}
+    if not known:
+        return
+    # Union-find over the items and their modules' module-, class- and package-scoped fixtures.
+    parent: dict[str, str] = {}
+
+    def root(key: str) -> str:
+        while parent.setdefault(key, key) != key:
+            key = parent[key] = parent[parent[key]]
+        return key
+
+    for item in items:
+        fixtures = getattr(item, "_fixtureinfo", None)
+        for name, definitions in (fixtures.name2fixturedefs.items() if fixtures else ()):
+            if definitions and definitions[-1].scope in ("module", "class", "package"):
+                parent[root(item.nodeid)] = root(f"{item.nodeid.split('::')[0]}::<fixture {name}>")
+    blocks: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        blocks.setdefault(root(item.nodeid), []).append(item)
+    fallback = _duration_estimates(known, items)
+    seconds = [sum(known.get(item.nodeid, fallback(item)) for item in block) for block in blocks.values()]
+    workers = int(getattr(config, "workerinput", {}).get("workercount", 1))
+    items[:] = longest_first(list(zip(seconds, blocks.values())), workers)
+
+
+def longest_first(blocks: list[tuple[float, list]], workers: int) -> list:
+    """The blocks' items in `workers` lanes one after the other, each lane longest first, the lanes' seconds as
+    even as the blocks allow (each block to the lane with the fewest seconds that still has room for it).
+
+    pytest-xdist's work stealing hands each worker an equal count of the items, in order, and a worker short of
+    work takes the second half of another's queue: with lanes of exactly those counts, every worker starts on its
+    longest tests and the last ones taken and run are the shortest. In one process (workers 1): longest first."""
+    total = sum(len(block) for _, block in blocks)
+    room = [total // workers + (lane < total % workers) for lane in range(workers)]
+    room.reverse()  # xdist gives the first workers total // workers each and the last the rest
+    lanes: list[list] = [[] for _ in range(workers)]
+    lane_seconds = [0.0] * workers
+    for seconds, block in sorted(blocks, key=lambda entry: -entry[0]):  # stable: ties keep the collection order
+        fitting = [lane for lane in range(workers) if room[lane] >= len(block)]
+        lane = min(fitting, key=lambda lane: lane_seconds[lane]) if fitting else max(range(workers), key=room.__getitem__)
+        lanes[lane].extend(block)
+        lane_seconds[lane] += seconds
+        room[lane] -= len(block)
+    return [item for lane in lanes for item in lane]
+
+
+def _duration_estimates(known: dict[str, float], items: list[pytest.Item]):
+    """item -> an estimate for an item DURATIONS_FILE does not name: the shortest known duration of the tests that
+    share its `slow` marker (a file refreshed from a whole run names every test, a file from the `--durations`
+    lists of partial runs names the longest only), else 0."""
+    shortest: dict[bool, float] = {}
+    for item in items:
+        if item.nodeid in known:
+            slow = item.get_closest_marker("slow") is not None
+            shortest[slow] = min(shortest.get(slow, known[item.nodeid]), known[item.nodeid])
+    return lambda item: shortest.get(item.get_closest_marker("slow") is not None, 0.0)
+
+
+_durations_seen: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Each test's setup, call and teardown seconds (under xdist also in the controller, from the workers' reports)."""
+    _durations_seen[report.nodeid] = _durations_seen.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """With --update-durations, this run's durations into DURATIONS_FILE (by the controller under xdist)."""
+    if not session.config.getoption("update_durations") or hasattr(session.config, "workerinput"):
+        return
+    known = json.loads(DURATIONS_FILE.read_text()) if DURATIONS_FILE.is_file() else {}
+    known.update({nodeid: round(seconds, 2) for nodeid, seconds in _durations_seen.items()})
+    DURATIONS_FILE.write_text(json.dumps(dict(sorted(known.items())), indent=1) + "\n")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def stage_server() -> Iterator[Path]:
     """One stage server (coarse2fine.stage_server) per test process, used by every launched stage of the session:

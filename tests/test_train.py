@@ -1,5 +1,7 @@
 """The Trainer: LR scaling and schedule, weight-decay groups, gradient accumulation, checkpoints; DDP keeping two
-real ranks identical; a SIGKILLed pretrain stage resuming to exactly the uninterrupted result; and that it learns.
+real ranks identical. (A SIGKILLed pretrain stage resuming to exactly the uninterrupted result, its MLflow run
+continued, is tests/faults/test_kill_mid_epoch.py's subject, after an epoch tests/test_pipeline.py's; that pretrain
+learns, tests/test_pipeline.py's.)
 
 Run as a script (`torchrun --nproc_per_node=2 tests/test_train.py RECORDS OUT`), this file is the per-rank
 program of `test_ddp_ranks_end_with_identical_weights`.
@@ -12,32 +14,25 @@ import json
 import math
 import os
 import random
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-import yaml
-from conftest import PROJECT_ROOT, ListLoader, cpu_runtime, make_params, train_val_loaders
+from conftest import ListLoader, cpu_runtime, make_params, train_val_loaders
 from timm.optim import Lamb
 from timm.optim import kron as timm_kron
 from timm.optim.kron import Kron
 
 from coarse2fine import distributed, models, train
 from coarse2fine.data import records
-from coarse2fine.data.loaders import build_loader
 from coarse2fine.distributed import Runtime
 from coarse2fine.errors import UserError
-from coarse2fine.evaluate import evaluate
 
 NUM_CLASSES = 10
 ENV = {**os.environ, "DVC_NO_ANALYTICS": "1", "MLFLOW_DISABLE_TELEMETRY": "true"}
-# Learns the 434 training digits of the `digits_records` fixture: 10 epochs of 13 updates.
-LEARNING_PRETRAIN = {"epochs": 10, "batch_size": 32, "optimizer": {"lr_base": 3.2e-2}}
 # Per-epoch metrics that measure the machine, not the training: they differ between any two runs.
 TIMING_METRICS = {"train_img_per_s", "train_img_per_s_per_rank", "epoch_seconds"}
 
@@ -547,79 +542,6 @@ def _rank_main(records_dir: str, out_dir: str, variant: str) -> None:
         )
         trainer.fit()
         torch.save(trainer.eval_model.state_dict(), out / f"rank{runtime.rank}.pt")
-
-
-def run_pretrain(params_file: Path, records_dir: Path, out: Path) -> subprocess.Popen:
-    command = [
-        sys.executable, "stages/pretrain.py", "--params", str(params_file), "--records", str(records_dir),
-        "--checkpoint-dir", str(out / "ckpt"), "--out", str(out / "model"), "--metrics", str(out / "metrics"),
-    ]
-    # One thread per run: two runs at a time share the two cores without oversubscribing them. A store per
-    # run: two processes creating one sqlite store at once race in its schema migration.
-    env = {**ENV, "MLFLOW_TRACKING_URI": f"sqlite:///{out / 'mlflow.db'}", "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(
-        command, cwd=PROJECT_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-
-
-def finish(process: subprocess.Popen) -> str:
-    stdout, stderr = process.communicate(timeout=600)
-    assert process.returncode == 0, stderr[-3000:]
-    return stdout
-
-
-@pytest.mark.slow
-def test_killed_pretrain_resumes_to_the_uninterrupted_result_and_learns(digits_records, tmp_path):
-    params_file = tmp_path / "params.yaml"
-    params_file.write_text(yaml.safe_dump({"pretrain": LEARNING_PRETRAIN}))
-    uninterrupted, interrupted = tmp_path / "uninterrupted", tmp_path / "interrupted"
-    reference = run_pretrain(params_file, digits_records, uninterrupted)
-
-    # Meanwhile: SIGKILL a second run once its first epoch's checkpoint is on disk (while the second epoch trains).
-    process = run_pretrain(params_file, digits_records, interrupted)
-    checkpoint_file = interrupted / "ckpt" / train.CHECKPOINT_FILE
-    deadline = time.monotonic() + 600
-    while not checkpoint_file.exists():
-        assert process.poll() is None, process.communicate(timeout=60)[1][-3000:]
-        assert time.monotonic() < deadline, "no checkpoint after 600 s"
-        time.sleep(0.05)
-    process.send_signal(signal.SIGKILL)
-    process.communicate(timeout=60)
-    killed_at = torch.load(checkpoint_file, weights_only=True)
-    assert 1 <= killed_at["epoch"] < LEARNING_PRETRAIN["epochs"]
-    assert not (interrupted / "model" / "model.pt").exists()
-
-    stdout = finish(run_pretrain(params_file, digits_records, interrupted))
-    finish(reference)
-    assert f"resumed from epoch {killed_at['epoch']}" in stdout
-    assert not checkpoint_file.exists()  # finished: the resume state is gone
-    from mlflow import MlflowClient
-
-    store = MlflowClient(f"sqlite:///{interrupted / 'mlflow.db'}")
-    (run,) = store.search_runs(
-        [store.get_experiment_by_name(make_params().tracking.experiment).experiment_id], "tags.stage = 'pretrain'"
-    )
-    assert run.info.run_id == killed_at["run_id"]  # the killed run, continued
-
-    runs = (uninterrupted, interrupted)
-    weights = [torch.load(out / "model" / "model.pt", weights_only=True)["model"] for out in runs]
-    torch.testing.assert_close(weights[0], weights[1], rtol=0, atol=0)
-    metrics = [json.loads((out / "metrics" / "metrics.json").read_text()) for out in runs]
-    assert {key: value for key, value in metrics[0].items() if key not in TIMING_METRICS} == {
-        key: value for key, value in metrics[1].items() if key not in TIMING_METRICS
-    }
-
-    # It learned: chance is 10 %; the untrained model (same seed, same init) is near it.
-    params = make_params(pretrain=LEARNING_PRETRAIN)
-    runtime = cpu_runtime()
-    train.seed_everything(params.seed, runtime)
-    untrained = models.build_model(params.model, NUM_CLASSES, params.pretrain.img_size)
-    val = build_loader(
-        "val", digits_records, img_size=32, batch_size=256, runtime=runtime, loader_cfg=params.loader,
-        augment_cfg=params.augment, crop_pct=params.pretrain.val_crop_pct, seed=params.seed,
-    )
-    assert evaluate(untrained, val, runtime, NUM_CLASSES).top1 < 40
-    assert metrics[0]["val_top1"] >= 90
 
 
 if __name__ == "__main__":

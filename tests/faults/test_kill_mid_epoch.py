@@ -1,6 +1,7 @@
 """A training stage SIGKILLed inside an epoch loses only the work since its last time-based checkpoint
-(params `checkpoint.every_minutes`) and ends bit-identical to an uninterrupted run: pretrain with one process,
-finetune with two ranks (DDP on gloo). Real launcher, real torchrun, real stage scripts on the digits' records.
+(params `checkpoint.every_minutes`) and ends bit-identical to an uninterrupted run: pretrain with one process (its
+MLflow run continued, not a second one), finetune with two ranks (DDP on gloo). Real launcher, real torchrun, real
+stage scripts on the digits' records.
 
 The uninterrupted reference never checkpoints inside an epoch (every_minutes 0), so the equality also shows that
 checkpointing changes nothing of what is computed.
@@ -18,6 +19,7 @@ import pytest
 import torch
 
 from coarse2fine import train
+from conftest import make_params
 from test_scale_out import finish, outcome, start_stage
 
 # 434 training records in batches of 8: 54 updates an epoch with one rank, 27 with two. A checkpoint is due at
@@ -48,8 +50,11 @@ def kill_after_a_checkpoint_inside_an_epoch(process: subprocess.Popen, checkpoin
     return torch.load(checkpoint_file, weights_only=True)
 
 
-def kill_and_resume(out: Path, records: Path, launch: dict, changes: dict, stage: str, arguments=()) -> str:
-    """Start the stage, kill it after its first checkpoint inside an epoch, rerun it; returns the rerun's stdout."""
+def kill_and_resume(
+    out: Path, records: Path, launch: dict, changes: dict, stage: str, arguments=()
+) -> tuple[str, dict]:
+    """Start the stage, kill it after its first checkpoint inside an epoch, rerun it; returns the rerun's stdout and
+    the checkpoint it resumed from."""
     checkpoint_file = out / "ckpt" / train.CHECKPOINT_FILE
     process = start_stage(out, records, launch, changes | OFTEN, stage, arguments)
     killed_at = kill_after_a_checkpoint_inside_an_epoch(process, checkpoint_file)
@@ -59,7 +64,7 @@ def kill_and_resume(out: Path, records: Path, launch: dict, changes: dict, stage
     # The rerun starts where the checkpoint was taken, inside the epoch: what it lost is the time since then.
     assert f"resumed from epoch {killed_at['epoch'] + 1}, batch {batches_done} of " in stdout
     assert batches_done > 0 and not checkpoint_file.exists()
-    return stdout
+    return stdout, killed_at
 
 
 @pytest.fixture(scope="module")
@@ -73,10 +78,17 @@ def uninterrupted_pretrain(digits_records, tmp_path_factory) -> Path:
 def test_pretrain_killed_inside_an_epoch_loses_only_the_time_since_its_checkpoint(
     uninterrupted_pretrain, digits_records, tmp_path
 ):
-    kill_and_resume(tmp_path, digits_records, {}, PRETRAIN, "pretrain")
+    _, killed_at = kill_and_resume(tmp_path, digits_records, {}, PRETRAIN, "pretrain")
     (weights, metrics), (expected_weights, expected_metrics) = outcome(tmp_path), outcome(uninterrupted_pretrain)
     torch.testing.assert_close(weights, expected_weights, rtol=0, atol=0)
     assert metrics == expected_metrics
+    # In MLflow the killed run is continued, not a second one started (start_stage's store is out/mlflow.db).
+    from mlflow import MlflowClient
+
+    store = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    experiment = store.get_experiment_by_name(make_params().tracking.experiment).experiment_id
+    (run,) = store.search_runs([experiment], "tags.stage = 'pretrain'")
+    assert run.info.run_id == killed_at["run_id"]
 
 
 @pytest.mark.slow
@@ -87,7 +99,7 @@ def test_finetune_with_two_ranks_killed_inside_an_epoch_resumes_bit_identical(
     two_ranks = {"nproc_per_node": 2}
     reference = tmp_path / "uninterrupted"
     finish(start_stage(reference, digits_records, two_ranks, FINETUNE | NEVER_INSIDE_AN_EPOCH, "finetune", init))
-    stdout = kill_and_resume(tmp_path / "killed", digits_records, two_ranks, FINETUNE, "finetune", init)
+    stdout, _ = kill_and_resume(tmp_path / "killed", digits_records, two_ranks, FINETUNE, "finetune", init)
     assert "x 2 ranks" in stdout
     (weights, metrics), (expected_weights, expected_metrics) = outcome(tmp_path / "killed"), outcome(reference)
     torch.testing.assert_close(weights, expected_weights, rtol=0, atol=0)

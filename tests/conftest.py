@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -10,6 +11,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -303,25 +305,44 @@ class Project:
 
     FILES = ("dvc.yaml", "params.yaml", ".gitignore", ".dvcignore")
     TREES = ("stages", "src", ".dvc")
+    _template: Path | None = None  # this process's committed copy, which every Project copies
 
     def __init__(self, path: Path):
+        """A copy of the template (made at this process's first Project): the copy of the project with its params
+        on the digits, `git init` and its first commit, paid once per test process, not once per Project."""
         self.path = path
-        path.mkdir(parents=True)
-        for name in self.FILES:
-            shutil.copy(PROJECT_ROOT / name, path / name)
-        for name in self.TREES:
-            ignore = shutil.ignore_patterns("__pycache__", "*.egg-info", "tmp", "cache")
-            shutil.copytree(PROJECT_ROOT / name, path / name, ignore=ignore)
-        self.env = {
+        self.env = self._environment(path)
+        shutil.copytree(self._committed_template(), path, symlinks=True)
+
+    @staticmethod
+    def _environment(path: Path) -> dict[str, str]:
+        return {
             **os.environ,
             "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
             "DVC_NO_ANALYTICS": "1",
             "MLFLOW_DISABLE_TELEMETRY": "true",
             "MLFLOW_TRACKING_URI": f"sqlite:///{path / 'mlflow.db'}",
         }
-        self.edit_params(DIGITS_PIPELINE)
-        self.run("git", "init", "-q")
-        self.commit("init")
+
+    @classmethod
+    def _committed_template(cls) -> Path:
+        if cls._template is None:
+            root = Path(tempfile.mkdtemp(prefix="coarse2fine-project-template-"))
+            creator = os.getpid()  # a forked child's exit must not delete it
+            atexit.register(lambda: os.getpid() == creator and shutil.rmtree(root, ignore_errors=True))
+            template = cls.__new__(cls)
+            template.path, template.env = root / "project", cls._environment(root / "project")
+            template.path.mkdir()
+            for name in cls.FILES:
+                shutil.copy(PROJECT_ROOT / name, template.path / name)
+            for name in cls.TREES:
+                ignore = shutil.ignore_patterns("__pycache__", "*.egg-info", "tmp", "cache")
+                shutil.copytree(PROJECT_ROOT / name, template.path / name, ignore=ignore)
+            template.edit_params(DIGITS_PIPELINE)
+            template.run("git", "init", "-q")
+            template.commit("init")
+            cls._template = template.path
+        return cls._template
 
     def run(
         self, *args: str, check: bool = True, timeout: float = 900, env: dict[str, str] | None = None

@@ -12,7 +12,7 @@ import yaml
 from conftest import ListLoader, cpu_runtime
 
 from coarse2fine import losses, models, train
-from coarse2fine.config import flatten, load_params
+from coarse2fine.config import TeacherWeight, flatten, load_params
 from coarse2fine.data.loaders import with_target_inputs
 from coarse2fine.labels import store
 
@@ -130,6 +130,11 @@ def test_profile_reproduces_the_reference_recipe(path):
         assert ours == pytest.approx(reference_stage := getattr(reference, name)), f"{name}: {ours} vs {reference_stage}"
         cfg = getattr(params, name)
         assert cfg.label_smoothing == cfg.token_label.label_smoothing == reference.label_smoothing
+        if cfg.token_label.enabled:  # the reference's targets: the teacher's alone in pre-training, then its mix
+            # (sail-sg/volo: TokenLabelCrossEntropy; fine-tuning TokenLabelGTCrossEntropy, `0.9 - 0.4 * agrees`)
+            assert cfg.token_label.ground_truth_mix == (name == "finetune")
+            assert cfg.token_label.teacher_weight == TeacherWeight(agrees=0.5, disagrees=0.9)
+            assert not cfg.token_label.ground_truth_tokens
     assert params.model.drop_path == reference.drop_path
     assert getattr(params.model, "dropout", 0.0) == reference.dropout
 

@@ -7,8 +7,9 @@
   teacher's distribution over the crop (mixed by MixToken's lam when the model mixed tokens) plus, weighted,
   the mean soft cross-entropy of every token's logits against the teacher's distribution at that token.
   The token targets need no mixing: the model swaps the mixed tokens' logits back (timm's forward_train).
-  With `ground_truth_mix` (the fine-tune recipe) the class target is first mixed with the (smoothed) ground
-  truth: r x teacher + (1 - r) x ground truth, r = 0.9 where the teacher's crop top-1 is not the label, else 0.5.
+  With `ground_truth_mix` the class target is first mixed with the (smoothed) ground truth: w x teacher +
+  (1 - w) x ground truth, w = `teacher_weight.agrees` where the teacher's crop top-1 is the label, else
+  `.disagrees`; with `ground_truth_tokens` every token target too, by its own top-1.
 """
 
 from __future__ import annotations
@@ -91,10 +92,13 @@ class TokenLabelObjective:
         cls_weight: float = 1.0,
         dense_weight: float = 0.5,
         ground_truth_mix: bool = False,
+        teacher_weight: config.TeacherWeight = config.TeacherWeight(),
+        ground_truth_tokens: bool = False,
     ):
         self.num_classes = num_classes
         self.label_smoothing, self.cls_weight, self.dense_weight = label_smoothing, cls_weight, dense_weight
-        self.ground_truth_mix = ground_truth_mix
+        self.ground_truth_mix, self.teacher_weight = ground_truth_mix, teacher_weight
+        self.ground_truth_tokens = ground_truth_mix and ground_truth_tokens
         self.target_sums: torch.Tensor | None = None  # TARGET_METRICS' sums, then the sample count
 
     @classmethod
@@ -103,6 +107,7 @@ class TokenLabelObjective:
         return cls(
             num_classes, label_smoothing=token_label.label_smoothing, cls_weight=token_label.cls_weight,
             dense_weight=token_label.dense_weight, ground_truth_mix=token_label.ground_truth_mix,
+            teacher_weight=token_label.teacher_weight, ground_truth_tokens=token_label.ground_truth_tokens,
         )
 
     def prepare(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -117,15 +122,19 @@ class TokenLabelObjective:
                 num_classes=self.num_classes, token_grid=token_grid, smoothing=self.label_smoothing,
                 moved=batch["moved"],
             )
-        cls_target = targets.cls
+        cls_target, token_target = targets
         if self.ground_truth_mix:
-            cls_target = mix_ground_truth(cls_target, batch["label"], self.label_smoothing)
+            cls_target = mix_ground_truth(cls_target, batch["label"], self.label_smoothing, self.teacher_weight)
+        if self.ground_truth_tokens:  # each token by its own top-1: [B, N, C] against the label of [B, 1]
+            token_target = mix_ground_truth(
+                token_target, batch["label"].unsqueeze(1), self.label_smoothing, self.teacher_weight
+            )
         lam = mix_token_lam(output.mix_box, token_grid)
         if lam < 1.0:  # sample i's crop holds sample B-1-i's tokens inside the box
             cls_target = lam * cls_target + (1.0 - lam) * cls_target.flip(0)
-        self._add_target_sums(cls_target, targets.tokens, batch["label"])
+        self._add_target_sums(cls_target, token_target, batch["label"])
         return self.cls_weight * soft_cross_entropy(output.cls_logits, cls_target) + (
-            self.dense_weight * soft_cross_entropy(output.aux_logits, targets.tokens)
+            self.dense_weight * soft_cross_entropy(output.aux_logits, token_target)
         )
 
     def _add_target_sums(self, cls_target: torch.Tensor, tokens: torch.Tensor, labels: torch.Tensor) -> None:
@@ -160,9 +169,12 @@ class TokenLabelObjective:
         return {name: value * (100.0 if name.endswith("top1") else 1.0) for name, value in zip(TARGET_METRICS, means)}
 
 
-def mix_ground_truth(teacher: torch.Tensor, labels: torch.Tensor, smoothing: float) -> torch.Tensor:
-    """r x teacher + (1 - r) x smoothed one-hot labels, per sample: r = 0.9 where the teacher's top-1 is not
-    the label, 0.5 where it is (sail-sg/volo's fine-tuning target)."""
+def mix_ground_truth(
+    teacher: torch.Tensor, labels: torch.Tensor, smoothing: float, weight: config.TeacherWeight
+) -> torch.Tensor:
+    """w x teacher + (1 - w) x smoothed one-hot labels, per distribution: w = weight.agrees where the teacher's top-1
+    is the label, weight.disagrees where it is not (sail-sg/volo's fine-tuning target with 0.5 / 0.9). `teacher`
+    [..., C], `labels` broadcastable to its leading dimensions ([B] for [B, C], [B, 1] for [B, N, C])."""
     truth = smooth(torch.nn.functional.one_hot(labels, teacher.shape[-1]).to(teacher.dtype), smoothing)
-    ratio = torch.where(teacher.argmax(-1) == labels, 0.5, 0.9).unsqueeze(-1).to(teacher.dtype)
+    ratio = torch.where(teacher.argmax(-1) == labels, weight.agrees, weight.disagrees).unsqueeze(-1).to(teacher.dtype)
     return ratio * teacher + (1 - ratio) * truth

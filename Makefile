@@ -13,7 +13,7 @@ export PATH := $(CURDIR)/$(BIN):$(PATH)
 PLOTS_TEMPLATE := .dvc/plots_offline.html
 NPM_CI := npm ci --prefix docs --ignore-scripts --omit=optional --no-audit --no-fund
 
-.PHONY: setup plots-if-node repro test test-fast slurm deps bench ablation screenshot ui sweep clean-venv
+.PHONY: setup plots-if-node repro test test-fast slurm deps bench ablation teacher-quality screenshot ui sweep clean-venv
 
 setup: $(STAMP)
 
@@ -69,6 +69,11 @@ bench: setup
 # vs token labels, with and without MixToken, coarse-to-fine vs direct at 64 px (python bench/ablation.py --help).
 ablation: setup
 	$(BIN)/python bench/ablation.py $(ABLATION_ARGS)
+
+# Token labels from teachers of several qualities (teacher.epochs 30 8 4 3) against ground truth, 2 seeds, as DVC
+# experiments on the photos; writes bench/results/teacher_quality_<machine>_<date>.md (bench/teacher_quality.py --help).
+teacher-quality: setup
+	$(BIN)/python bench/teacher_quality.py $(TEACHER_QUALITY_ARGS)
 
 # The README's picture of the MLflow UI (docs/mlflow-runs.png) from ./mlflow.db, which needs two pipeline runs first
 # (e.g. make repro, then dvc exp run -S finetune.optimizer.lr_base=3.2e-3). Debian's Chromium, driven by playwright-core.

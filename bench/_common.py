@@ -262,6 +262,33 @@ def write_json(args: argparse.Namespace, text: str, raw: dict) -> None:
         args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
 
 
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def machine_slug() -> str:
+    """A result file's machine: the cores and the accelerator or CPU model, e.g. `2cpu-amd-epyc`."""
+    cores = len(os.sched_getaffinity(0))
+    if torch.cuda.is_available():
+        return f"{torch.cuda.device_count()}gpu-" + re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(0).lower())
+    words = re.sub(r"[^a-z0-9]+", " ", re.sub(r"\((r|tm)\)", "", cpu_model().lower())).split()
+    return f"{cores}cpu-" + "-".join(words[:2])
+
+
+def write_results(args: argparse.Namespace, topic: str, text: str, raw: dict) -> Path | None:
+    """The report as `<results>/<topic>_<machine>_<date>.md` and the raw numbers beside it as .json (`args.results`,
+    default bench/results; nothing with --tiny unless --results is given): the docs quote these files."""
+    folder = args.results if args.results is not None else None if args.tiny else RESULTS_DIR
+    if folder is None:
+        return None
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{topic}_{machine_slug()}_{datetime.date.today().isoformat()}.md"
+    path.write_text(text + "\n", encoding="utf-8")
+    options = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
+    path.with_suffix(".json").write_text(json.dumps({"args": options, **raw}, indent=2) + "\n", encoding="utf-8")
+    print(f"written: {path.relative_to(folder.parent) if folder == RESULTS_DIR else path}", flush=True)
+    return path
+
+
 # ----------------------------------------------------------------------------------- a DVC project copy
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]

@@ -1,0 +1,177 @@
+"""Token labels from teachers of several qualities, against ground truth, as DVC experiments on the photos.
+
+A teacher right on every one of its own training images gives token labels that match ground truth; one that
+misreads some of them taught the student its mistakes under the reference's targets (issue 46: 11 points below
+ground truth on harder photos). This bench sweeps the teacher's quality by its training epochs (`teacher.epochs`:
+the default 30 is right on ~100 % of the train images, fewer epochs leave it wrong on more of them) and, per
+quality and seed, trains the students with:
+
+- ground truth: `<student>.token_label.enabled=false` (no teacher; run once per seed),
+- the recipe: the shipped params (the label mixed into the class and token targets, w = 0.5 where the teacher
+  agrees with the label, 0.1 where it does not, in pre-training and fine-tuning),
+- the reference's targets: pre-training on the teacher alone, fine-tuning with sail-sg/volo's mix (w 0.5 / 0.9),
+  class target only,
+- (--arms) the class-only mix: the recipe's weights on the class target only, the tokens the teacher's.
+
+Each seed is its own project copy (the seed draws the photo patches, the split and the training), so the teacher
+runs once per quality and seed and DVC's run cache gives its token labels to every arm. Per quality: the teacher's
+val top-1, its dense top-1 on the train images and its cells' (the token_labels stage's metrics); per arm: the
+pre-trained student at 48 px (its own) and 64 px, the fine-tuned one at 64 px; the mean over seeds, and the
+recipe's gap to ground truth.
+
+Run: python bench/teacher_quality.py [--seeds 0 1] [--teacher-epochs 30 8 4 3] [--arms ...] [--workdir DIR]
+(make teacher-quality; about 2 h 30 min on 2 CPU cores with the defaults). `--student-epochs PRE FINE` shortens
+the students for a quick look (then the figures are not the defaults').
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from _common import (
+    NEAR_EMPTY, ProjectCopy, add_tiny_argument, header_line, markdown_table, merge_params, project_copy, workspace,
+    write_json, write_results,
+)
+
+STUDENTS = ("pretrain", "finetune")
+ARMS = {  # name -> the `dvc exp run -S` settings on top of the shipped params
+    "ground truth": {f"{stage}.token_label.enabled": "false" for stage in STUDENTS},
+    "recipe": {},
+    "reference targets": {
+        "pretrain.token_label.ground_truth_mix": "false",
+        "finetune.token_label.teacher_weight.disagrees": "0.9",
+        **{f"{stage}.token_label.ground_truth_tokens": "false" for stage in STUDENTS},
+    },
+    "class-only mix": {f"{stage}.token_label.ground_truth_tokens": "false" for stage in STUDENTS},
+}
+DEFAULT_ARMS = ("ground truth", "recipe", "reference targets")
+TEACHER_ONLY = "ground truth"  # the arm the teacher does not reach: run once per seed
+# What each arm reports: (metrics file under metrics/evaluate, key, column name).
+STUDENT_COLUMNS = (
+    ("pretrain", "top1", "pretrain @48"), ("pretrain", "top1_at_64", "pretrain @64"),
+    ("finetune", "top1", "finetune @64"),
+)
+TINY = {**NEAR_EMPTY, "evaluate": {"pretrain": {"extra_sizes": [64]}, "finetune": {"extra_sizes": []}}}
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1], metavar="N")
+    parser.add_argument("--teacher-epochs", type=int, nargs="+", default=[30, 8, 4, 3], metavar="N",
+                        help="the teacher qualities, as its training epochs (default: 30 8 4 3; 30 is the shipped one)")
+    parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(DEFAULT_ARMS), metavar="NAME",
+                        help=f"of: {'; '.join(ARMS)} (default: {'; '.join(DEFAULT_ARMS)})")
+    parser.add_argument("--student-epochs", type=int, nargs=2, default=None, metavar=("PRE", "FINE"),
+                        help="pretrain and finetune epochs (default: params.yaml's)")
+    parser.add_argument("--workdir", type=Path, default=None, help="keep the project copies here (default: a temp dir)")
+    parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the report and numbers here")
+    parser.add_argument("--report-from", type=Path, nargs="+", default=None, metavar="JSON",
+                        help="train nothing: the report of earlier runs' --json files (e.g. one process per seed)")
+    parser.add_argument("--results", type=Path, default=None, metavar="DIR",
+                        help="write the dated report here (default: bench/results, none with --tiny)")
+    add_tiny_argument(parser, "bench/startup.py's near-empty copy (data.subset 0.1, 1 epoch per training stage), "
+                              "teacher epochs 1, one seed")
+    args = parser.parse_args()
+    if args.tiny:
+        args.teacher_epochs, args.seeds = [1], args.seeds[:1]
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    if args.report_from is not None:
+        runs = [run for path in args.report_from for run in json.loads(path.read_text())["runs"]]
+        args.seeds = sorted({run["seed"] for run in runs})
+        args.teacher_epochs = sorted({run["teacher_epochs"] for run in runs}, reverse=True)
+        args.arms = [arm for arm in ARMS if any(run["arm"] == arm for run in runs)]
+        args.student_epochs = runs[0]["student_epochs"]
+    else:
+        runs = train_arms(args)
+    text = "\n".join([header_line(), "", report(runs, args)])
+    print(text)
+    write_json(args, text, {"runs": runs})
+    write_results(args, "teacher_quality", text, {"runs": runs})
+
+
+def train_arms(args: argparse.Namespace) -> list[dict]:
+    """Every seed's project copy, every teacher quality and arm: one run record each (printed as it ends)."""
+    runs = []
+    with workspace(args.workdir) as work:
+        for seed in args.seeds:
+            change = {"seed": seed, "data": {"source": "photos"}}
+            project = project_copy(work / f"seed{seed}", merge_params(change, TINY) if args.tiny else change)
+            students = {}
+            if args.student_epochs is not None:
+                students = {f"{stage}.epochs": str(epochs) for stage, epochs in zip(STUDENTS, args.student_epochs)}
+            for epochs in args.teacher_epochs:
+                for arm in args.arms:
+                    if arm == TEACHER_ONLY and epochs != args.teacher_epochs[0]:
+                        continue
+                    settings = {"teacher.epochs": str(epochs), **students, **ARMS[arm]}
+                    runs.append({"seed": seed, "teacher_epochs": epochs, "arm": arm,
+                                 "student_epochs": args.student_epochs, **run_arm(project, settings)})
+                    print(json.dumps(runs[-1]), flush=True)
+                    write_json(args, "(unfinished)", {"runs": runs})  # a killed sweep keeps what it ran
+    return runs
+
+
+def run_arm(project: ProjectCopy, settings: dict[str, str]) -> dict:
+    """One `dvc exp run` from the committed params with `settings`: the teacher's and the students' metrics."""
+    project.run("git", "checkout", "-q", "HEAD", "--", "params.yaml")  # each arm names only what it changes
+    run = project.timed_dvc(
+        "exp", "run", *[f"-S={key}={value}" for key, value in settings.items()], "evaluate@pretrain", "evaluate@finetune"
+    )
+    metrics = project.path / "metrics"
+    result = {"stages_run": sorted(run.stage_seconds), "seconds": round(run.seconds)}
+    result["students"] = {
+        column: json.loads((metrics / "evaluate" / stage / "metrics.json").read_text())[key]
+        for stage, key, column in STUDENT_COLUMNS
+    }
+    teacher = json.loads((metrics / "teacher" / "metrics.json").read_text())
+    labels = json.loads((metrics / "token_labels" / "metrics.json").read_text())
+    if "dense_top1" in labels:  # an arm without token labels leaves an empty store (no teacher forward)
+        result["teacher"] = {"val_top1": teacher["val_top1"], "dense_top1": labels["dense_top1"],
+                             "cell_top1": labels["cell_top1"]}
+    return result
+
+
+def report(runs: list[dict], args: argparse.Namespace) -> str:
+    """One row per teacher quality and arm: means over seeds (each seed in brackets), the recipe's gap to ground truth."""
+    def mean(values: list[float]) -> str:
+        shown = f"{statistics.fmean(values):.2f}"
+        return shown if len(values) == 1 else f"{shown} ({' / '.join(f'{value:.2f}' for value in values)})"
+
+    columns = [column for _, _, column in STUDENT_COLUMNS]
+    truth = {column: [run["students"][column] for run in runs if run["arm"] == TEACHER_ONLY] for column in columns}
+    rows = []
+    for epochs in sorted(args.teacher_epochs, reverse=True):
+        at_quality = [run for run in runs if run["teacher_epochs"] == epochs and "teacher" in run]
+        teachers = {run["seed"]: run["teacher"] for run in at_quality}.values()
+        teacher = " / ".join(mean([t[key] for t in teachers]) for key in ("val_top1", "dense_top1", "cell_top1"))
+        for arm in args.arms:
+            if arm == TEACHER_ONLY:
+                continue
+            chosen = [run for run in at_quality if run["arm"] == arm]
+            cells = [mean([run["students"][column] for run in chosen]) for column in columns]
+            gaps = [
+                f"{statistics.fmean(run['students'][column] for run in chosen) - statistics.fmean(truth[column]):+.2f}"
+                if truth[column] else "-" for column in columns
+            ]
+            rows.append([str(epochs), teacher, arm, *cells, " / ".join(gaps)])
+    if any(truth.values()):
+        rows.append(["-", "-", TEACHER_ONLY, *[mean(truth[column]) for column in columns], "0"])
+    epochs_line = "students: params.yaml's epochs" if args.student_epochs is None else (
+        f"students: pretrain {args.student_epochs[0]} + finetune {args.student_epochs[1]} epochs (not the defaults)")
+    return "\n".join([
+        f"photos, seeds {', '.join(map(str, args.seeds))}; {epochs_line}; top-1 % on val, mean over seeds (per seed)",
+        "",
+        markdown_table(["teacher epochs", "teacher val / dense train / cells top-1 %", "targets", *columns,
+                        "gap to ground truth (pretrain @48 / @64 / finetune)"], rows),
+    ])
+
+
+if __name__ == "__main__":
+    main()

@@ -31,7 +31,9 @@ from coarse2fine.distributed import Runtime
 from coarse2fine.errors import UserError
 from coarse2fine.files import file_sha256
 from coarse2fine.labels import store
-from coarse2fine.labels.generate import REFERENCE_IMAGENET_BYTES, Generation, View, dense_head, generate
+from coarse2fine.labels.generate import (
+    REFERENCE_IMAGENET_BYTES, Generation, View, dense_head, generate, unreliable_teacher_warning,
+)
 from coarse2fine.labels.imported import REFERENCE_VIEW, import_labels
 from coarse2fine.tracking.identity import stage_params
 from coarse2fine.tracking.runs import Tracker
@@ -60,6 +62,7 @@ def main(params: Params, args: argparse.Namespace) -> None:
             tracker.log_records(args.records, "train")
             metrics = make_store().metrics()
             tracker.log_summary(metrics)
+            tracker.set_tag("teacher_warning", unreliable_teacher_warning(metrics) or "none")
             if runtime.is_main:
                 store.write_student_deps(Path(args.out), store_written=True)
                 print(
@@ -70,6 +73,8 @@ def main(params: Params, args: argparse.Namespace) -> None:
                     f"of each cell's probability",
                     flush=True,
                 )
+                if (warning := unreliable_teacher_warning(metrics)) is not None:
+                    print(f"token_labels: {warning}", flush=True)
                 print(
                     f"token_labels: {metrics['bytes_per_image']} bytes/image "
                     f"(ImageNet-1K: {metrics['imagenet_gb']:.2f} GB, the reference's "

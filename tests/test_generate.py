@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import mlflow
 import pytest
 import torch
 import torch.nn.functional as F
@@ -25,7 +26,9 @@ from coarse2fine.data.convert import convert
 from coarse2fine.data.loaders import build_loader
 from coarse2fine.data.transforms import IDENTITY_AFFINE, IMAGE_MEAN, IMAGE_STD, RAND_AUGMENT_GEOMETRIC_OPS
 from coarse2fine.labels import store, targets
-from coarse2fine.labels.generate import IMAGENET_TRAIN_IMAGES, TrainRecords, View, dense_head, generate
+from coarse2fine.labels.generate import (
+    IMAGENET_TRAIN_IMAGES, RELIABLE_DENSE_TOP1, TrainRecords, View, dense_head, generate, unreliable_teacher_warning,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -336,7 +339,8 @@ def test_store_metrics_say_what_the_student_is_taught_against_what_the_teacher_s
     assert metrics["cell_top1"] == pytest.approx(100 * cells_right.mean().item())
 
 
-def run_token_labels_stage(tmp_path: Path, records_dir: Path, teacher_file: Path, nproc: int) -> Path:
+def run_token_labels_stage(tmp_path: Path, records_dir: Path, teacher_file: Path, nproc: int) -> tuple[Path, str]:
+    """The real stage under the launcher: its output directory and what it printed."""
     out = tmp_path / f"ranks{nproc}"
     out.mkdir()
     params = merge(yaml.safe_load((ROOT / "params.yaml").read_text()), DIGITS_PIPELINE)
@@ -349,8 +353,8 @@ def run_token_labels_stage(tmp_path: Path, records_dir: Path, teacher_file: Path
         "--metrics", str(out / "metrics"),
     ]
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{out / 'mlflow.db'}", "MLFLOW_DISABLE_TELEMETRY": "true"}
-    subprocess.run(command, cwd=out, env=env, check=True, capture_output=True, text=True, timeout=300)
-    return out
+    run = subprocess.run(command, cwd=out, env=env, check=True, capture_output=True, text=True, timeout=300)
+    return out, run.stdout + run.stderr
 
 
 @pytest.mark.slow
@@ -361,7 +365,7 @@ def test_two_ranks_write_the_same_bytes_as_one(digits_records, tmp_path):
         teacher_file, random_teacher(10), model_cfg=model_cfg, img_size=32,
         classes=records.read_classes(digits_records), stage="teacher",
     )
-    one, two = (run_token_labels_stage(tmp_path, digits_records, teacher_file, nproc) for nproc in (1, 2))
+    (one, printed), (two, _) = (run_token_labels_stage(tmp_path, digits_records, teacher_file, nproc) for nproc in (1, 2))
     assert store_bytes(one / "labels") == store_bytes(two / "labels")
     # What dvc.yaml's students depend on: the store's identity if they learn from it, else nothing.
     deps = one / "labels" / "enabled"
@@ -373,5 +377,20 @@ def test_two_ranks_write_the_same_bytes_as_one(digits_records, tmp_path):
     metrics = [json.loads((run / "metrics" / "metrics.json").read_text()) for run in (one, two)]
     assert metrics[0]["images"] == metrics[1]["images"] == 434
     assert metrics[0]["dense_top1"] == metrics[1]["dense_top1"]
+    # A random teacher is wrong on most of its training images: the stage says so, on its output and its run.
+    warning = unreliable_teacher_warning(metrics[0])
+    assert warning is not None and f"token_labels: {warning}" in printed.splitlines()
+    client = mlflow.MlflowClient(f"sqlite:///{one / 'mlflow.db'}")
+    runs = client.search_runs([experiment.experiment_id for experiment in client.search_experiments()])
+    assert [run.data.tags.get("teacher_warning") for run in runs if run.info.run_name == "token_labels"] == [warning]
     labels = np.load(one / "labels" / store.CLASSES_FILE)
     assert labels.shape == (434, 5, 4, 4) and labels.dtype == np.int16
+
+
+def test_the_teacher_warning_names_its_share_of_wrong_training_images_below_the_threshold():
+    assert RELIABLE_DENSE_TOP1 == 98.0  # bench/teacher_quality.py's sweep (docs/recipe.md, "A teacher that errs")
+    assert unreliable_teacher_warning({"dense_top1": 100.0, "cell_top1": 92.99}) is None  # the photos' teacher
+    assert unreliable_teacher_warning({"dense_top1": RELIABLE_DENSE_TOP1, "cell_top1": 80.0}) is None
+    warning = unreliable_teacher_warning({"dense_top1": 88.89, "cell_top1": 70.98})
+    assert "wrong on 11.1 % of its own training images" in warning and "its cells on 29.0 %" in warning
+    assert "ground_truth_mix" in warning and "docs/recipe.md#a-teacher-that-errs" in warning

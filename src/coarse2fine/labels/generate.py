@@ -54,6 +54,13 @@ DONE_DIR = "done"
 IMAGENET_TRAIN_IMAGES = 1_281_167
 REFERENCE_IMAGENET_BYTES = 9.2e9  # the reference's store: [2, 5, 18, 18] fp16 per image, one file each
 
+# The token_labels stage warns when the teacher's dense top-1 on its own training images is below this. With the
+# reference's targets, teachers right on 88.9-93.2 % of them cost the student 11-20 points (docs/recipe.md, "A
+# teacher that errs": the issue's harder photos, bench/teacher_quality.py's 3-epoch teachers, the guard test),
+# one right on 100 % nothing; 98 % (wrong on more than 1 image in 50) warns well before that range.
+RELIABLE_DENSE_TOP1 = 98.0
+RELIABILITY_DOC = "docs/recipe.md#a-teacher-that-errs"
+
 DenseHead = Callable[[torch.Tensor], torch.Tensor]  # normalised images [B, 3, S, S] -> scores [B, C, h, w]
 
 
@@ -195,6 +202,21 @@ class Generation:
             "imagenet_gb": imagenet_bytes / 1e9,
             "imagenet_vs_reference": imagenet_bytes / REFERENCE_IMAGENET_BYTES,
         }
+
+
+def unreliable_teacher_warning(metrics: Mapping[str, float]) -> str | None:
+    """One line for the user when the teacher misreads more of its own training images than RELIABLE_DENSE_TOP1
+    allows (`metrics`: Generation.metrics()), else None."""
+    if metrics["dense_top1"] >= RELIABLE_DENSE_TOP1:
+        return None
+    return (
+        f"WARNING: the teacher is wrong on {100 - metrics['dense_top1']:.1f} % of its own training images (dense "
+        f"top-1 {metrics['dense_top1']:.2f} % < {RELIABLE_DENSE_TOP1:g} %; its cells on {100 - metrics['cell_top1']:.1f} "
+        "%): a student taught its targets as they are learns those mistakes. Keep <student>.token_label."
+        "ground_truth_mix and ground_truth_tokens on with teacher_weight.disagrees 0.1 (the defaults: the label stays "
+        "the targets' top-1 where the teacher contradicts it); to gain from token labels, give the teacher more "
+        f"teacher.epochs or a larger model ({RELIABILITY_DOC})"
+    )
 
 
 def generate(

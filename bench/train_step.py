@@ -163,7 +163,7 @@ def new_trainer(
     loader = InMemoryLoader(batches, token_labels)
     objective = None
     if token_labels is not None:
-        objective = losses.TokenLabelObjective(NUM_CLASSES, label_smoothing=params.pretrain.token_label.label_smoothing)
+        objective = losses.TokenLabelObjective.from_params(NUM_CLASSES, params.pretrain)  # the defaults' targets
     return Trainer(
         stage="bench", params=params, cfg=params.pretrain, model=new_model(params, mix_token),
         classes=[str(i) for i in range(NUM_CLASSES)], train_loader=loader, val_loader=loader, runtime=CPU,

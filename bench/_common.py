@@ -26,18 +26,21 @@ import time
 from dataclasses import dataclass
 from multiprocessing import Pool
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 import torch
 import yaml
 from PIL import Image, ImageDraw, ImageFilter
 
+from coarse2fine import losses
 from coarse2fine.config import Params, parse_params
 from coarse2fine.data import records
 from coarse2fine.data.convert import convert
 from coarse2fine.data.sources import write_digits
 from coarse2fine.distributed import Runtime
+from coarse2fine.labels.store import TokenLabelStore, write_store
+from coarse2fine.train import Trainer
 
 PHOTO_SIZE = (500, 375)  # width, height: a typical ImageNet / Pascal VOC photo
 JPEG_QUALITY = 90
@@ -260,6 +263,48 @@ def write_json(args: argparse.Namespace, text: str, raw: dict) -> None:
         options = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
         report = {"report": text, "args": options, **raw}
         args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+
+
+def random_store(directory: Path, records: int, *, num_classes: int, top_k: int, grid: int, seed: int) -> TokenLabelStore:
+    """A token-label store of random teacher maps for `records` records: each cell's top-k log-probabilities of
+    random scores (distinct classes), as the token_labels stage writes them."""
+    scores = torch.randn(records, num_classes, grid, grid, generator=torch.Generator().manual_seed(seed))
+    log_probs, classes = scores.log_softmax(dim=1).topk(top_k, dim=1)
+    write_store(directory, log_probs.half().numpy(), classes.numpy(), num_classes=num_classes)
+    return TokenLabelStore(directory, records=records, num_classes=num_classes)
+
+
+def bench_trainer(
+    params: Params, model: torch.nn.Module, runtime: Runtime, scratch: Path, *, num_classes: int,
+    train_loader: Iterable, val_loader: Iterable, token_labels: bool,
+) -> Trainer:
+    """The stages' Trainer for params.pretrain (with the defaults' token-label objective when `token_labels`), its
+    files under `scratch`."""
+    objective = losses.TokenLabelObjective.from_params(num_classes, params.pretrain) if token_labels else None
+    return Trainer(
+        stage="bench", params=params, cfg=params.pretrain, model=model, classes=[str(i) for i in range(num_classes)],
+        train_loader=train_loader, val_loader=val_loader, runtime=runtime, param_sections=("pretrain",),
+        provenance={"data_digest": "random"}, checkpoint_dir=scratch / "ckpt", model_file=scratch / "model.pt",
+        metrics_dir=scratch / "metrics", objective=objective,
+    )
+
+
+class TrainerSteps:
+    """Real Trainer updates (backward, optimizer step) over the batches `batches()` gives per call; returns the
+    images trained, with the device synchronised."""
+
+    def __init__(self, trainer: Trainer, batches: Callable[[], Iterable[dict[str, torch.Tensor]]]):
+        self.trainer, self.batches = trainer, batches
+
+    def __call__(self) -> int:
+        self.trainer.train_forward.train()
+        images = 0
+        for batch in self.batches():
+            self.trainer.backward(batch, micro_steps=1, sync=True)
+            self.trainer.optimizer_step()
+            images += len(batch["label"])  # a shape: no wait for the device
+        self.trainer.runtime.synchronize()
+        return images
 
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"

@@ -17,20 +17,24 @@ once (compilation, cuDNN autotuning), then the repeats run interleaved (_common.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import tempfile
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
-from _common import add_tiny_argument, header_line, interleaved, markdown_table, tiny_sizes, write_json
-from coarse2fine import losses, models
+from _common import (
+    TrainerSteps, add_tiny_argument, bench_trainer, header_line, interleaved, markdown_table, random_store, tiny_sizes,
+    write_json,
+)
+from coarse2fine import models
 from coarse2fine.config import parse_params
 from coarse2fine.data.transforms import IDENTITY_AFFINE
 from coarse2fine.distributed import Runtime, use_gpu_defaults
-from coarse2fine.labels.store import TokenLabelStore, write_store
-from coarse2fine.train import Trainer
+from coarse2fine.labels.store import TokenLabelStore
 
 NUM_CLASSES = 1000
 # The reference's NFNet-F6 token labels: the top 5 classes on an 18 x 18 grid (TokenLabeling's README).
@@ -55,30 +59,22 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-class TrainerSteps:
-    """`steps` real Trainer updates on one device-resident batch, its store rows looked up on the host and copied
-    from pinned memory each step, as the loader does (`loaders.with_target_inputs`); returns the images trained."""
-
-    def __init__(self, trainer: Trainer, batch: dict[str, torch.Tensor], store: TokenLabelStore | None, steps: int):
-        self.trainer, self.batch, self.store, self.steps = trainer, batch, store, steps
-        self.host_index = batch["index"].cpu()
-
-    def __call__(self) -> int:
-        runtime = self.trainer.runtime
-        for _ in range(self.steps):
-            batch = self.batch
-            if self.store is not None:
-                log_probs, classes = self.store.lookup(self.host_index)
-                if runtime.is_cuda:  # pinned, so the copy overlaps the step (CPU runs: no pinning without CUDA)
-                    log_probs, classes = log_probs.pin_memory(), classes.pin_memory()
-                batch = {
-                    **batch, "token_log_probs": log_probs.to(runtime.device, non_blocking=True),
-                    "token_classes": classes.to(runtime.device, non_blocking=True),
-                }
-            self.trainer.backward(batch, micro_steps=1, sync=True)
-            self.trainer.optimizer_step()
-        self.trainer.runtime.synchronize()
-        return self.steps * len(self.batch["label"])
+def device_batches(
+    batch: dict[str, torch.Tensor], host_index: torch.Tensor, store: TokenLabelStore | None, steps: int, runtime: Runtime
+) -> Iterator[dict[str, torch.Tensor]]:
+    """One device-resident batch `steps` times, its store rows (by `host_index`, its record indices on the host) looked
+    up and copied from pinned memory each step, as the loader does (`loaders.with_target_inputs`)."""
+    for _ in range(steps):
+        if store is None:
+            yield batch
+            continue
+        log_probs, classes = store.lookup(host_index)
+        if runtime.is_cuda:  # pinned, so the copy overlaps the step (CPU runs: no pinning without CUDA)
+            log_probs, classes = log_probs.pin_memory(), classes.pin_memory()
+        yield {
+            **batch, "token_log_probs": log_probs.to(runtime.device, non_blocking=True),
+            "token_classes": classes.to(runtime.device, non_blocking=True),
+        }
 
 
 def random_batch(args: argparse.Namespace, device: torch.device) -> dict[str, torch.Tensor]:
@@ -97,13 +93,6 @@ def random_batch(args: argparse.Namespace, device: torch.device) -> dict[str, to
     return {key: value.to(device) for key, value in batch.items()}
 
 
-def random_store(directory: Path, records: int) -> TokenLabelStore:
-    scores = torch.randn(records, NUM_CLASSES, TEACHER_GRID, TEACHER_GRID, generator=torch.Generator().manual_seed(1))
-    log_probs, classes = scores.log_softmax(dim=1).topk(TOP_K, dim=1)
-    write_store(directory, log_probs.half().numpy(), classes.numpy(), num_classes=NUM_CLASSES)
-    return TokenLabelStore(directory, records=records, num_classes=NUM_CLASSES)
-
-
 def new_trainer(args: argparse.Namespace, runtime: Runtime, scratch: Path, *, token_labels: bool, compile_: bool):
     params = parse_params({
         "model": {"name": args.model, "drop_path": 0.1},
@@ -116,13 +105,9 @@ def new_trainer(args: argparse.Namespace, runtime: Runtime, scratch: Path, *, to
     }, "gpu_step")
     torch.manual_seed(0)
     model = models.build_model(params.model, NUM_CLASSES, args.img_size, mix_token=token_labels)
-    objective = losses.TokenLabelObjective.from_params(NUM_CLASSES, params.pretrain) if token_labels else None
-    no_batches: list = []
-    return Trainer(
-        stage="bench", params=params, cfg=params.pretrain, model=model, classes=[str(i) for i in range(NUM_CLASSES)],
-        train_loader=[None], val_loader=no_batches, runtime=runtime, param_sections=("pretrain",), provenance={},
-        checkpoint_dir=scratch / "ckpt", model_file=scratch / "model.pt", metrics_dir=scratch / "metrics",
-        objective=objective,
+    return bench_trainer(
+        params, model, runtime, scratch, num_classes=NUM_CLASSES, train_loader=[None], val_loader=[],
+        token_labels=token_labels,
     )
 
 
@@ -139,15 +124,18 @@ def main() -> None:
     else:
         sys.exit(f"bench/gpu_step.py: no usable CUDA GPU (torch {torch.__version__}, CUDA {torch.version.cuda})")
     batch = random_batch(args, runtime.device)
+    host_index = batch["index"].cpu()
     rows = [("ground truth", False, False), ("token labels + MixToken", True, False)]
     if args.compile:
         rows += [("ground truth, compiled", False, True), ("token labels + MixToken, compiled", True, True)]
     with tempfile.TemporaryDirectory(prefix="coarse2fine-bench-") as scratch:
-        store = random_store(Path(scratch) / "labels", args.batch)
+        store = random_store(
+            Path(scratch) / "labels", args.batch, num_classes=NUM_CLASSES, top_k=TOP_K, grid=TEACHER_GRID, seed=1
+        )
         variants = {
             name: TrainerSteps(
                 new_trainer(args, runtime, Path(scratch) / name, token_labels=labels, compile_=compile_),
-                batch, store if labels else None, args.steps,
+                functools.partial(device_batches, batch, host_index, store if labels else None, args.steps, runtime),
             )
             for name, labels, compile_ in rows
         }

@@ -6,7 +6,7 @@ tensors loaded before timing, so only the training step is compared, never data 
 - bare loop: forward_train + head, loss, backward, torch.optim.AdamW step, zero_grad;
 - Trainer step: coarse2fine.train.Trainer.backward + optimizer_step (timm optimizer, per-update LR schedule,
   grad scaler pass-through, autocast context);
-- Trainer epoch: Trainer._train_epoch over an in-memory loader yielding the same batches (adds the epoch loop:
+- Trainer epoch: Trainer.train_epoch over an in-memory loader yielding the same batches (adds the epoch loop:
   progress bar, per-step loss.item(), loss sums), still without data loading;
 - Trainer step + token labels: the same steps with losses.TokenLabelObjective: per batch, the top-k teacher
   maps looked up in a memory-mapped TokenLabelStore by record index, dense targets by roi_align on the batch's
@@ -30,14 +30,14 @@ import torch
 import yaml
 
 from _common import (
-    CPU, PROJECT_ROOT, CpuTimed, add_threads_argument, add_tiny_argument, goal, header_line, interleaved,
-    markdown_table, tiny_sizes, write_json,
+    CPU, PROJECT_ROOT, CpuTimed, TrainerSteps, add_threads_argument, add_tiny_argument, bench_trainer, goal,
+    header_line, interleaved, markdown_table, random_store, tiny_sizes, write_json,
 )
-from coarse2fine import losses, models
+from coarse2fine import models
 from coarse2fine.config import Params, parse_params
 from coarse2fine.data.loaders import with_target_inputs
 from coarse2fine.data.transforms import IDENTITY_AFFINE
-from coarse2fine.labels.store import TokenLabelStore, write_store
+from coarse2fine.labels.store import TokenLabelStore
 from coarse2fine.train import Trainer, seed_everything
 
 NUM_CLASSES = 10
@@ -84,15 +84,6 @@ def random_batches(params: Params, count: int) -> list[dict[str, torch.Tensor]]:
             }
         )
     return batches
-
-
-def random_token_labels(directory: Path, records: int, seed: int) -> TokenLabelStore:
-    """A store of random teacher maps (distinct top-k classes per cell) for `records` records."""
-    generator = torch.Generator().manual_seed(seed)
-    logits = torch.randn(records, TOP_K, TEACHER_GRID, TEACHER_GRID, generator=generator).sort(dim=1, descending=True)
-    classes = torch.rand(records, NUM_CLASSES, TEACHER_GRID, TEACHER_GRID, generator=generator).argsort(dim=1)
-    write_store(directory, logits.values.numpy(), classes[:, :TOP_K].numpy(), num_classes=NUM_CLASSES)
-    return TokenLabelStore(directory, records=records, num_classes=NUM_CLASSES)
 
 
 def new_model(params: Params, mix_token: bool = False) -> torch.nn.Module:
@@ -161,27 +152,15 @@ def new_trainer(
     mix_token: bool = False,
 ) -> Trainer:
     loader = InMemoryLoader(batches, token_labels)
-    objective = None
-    if token_labels is not None:
-        objective = losses.TokenLabelObjective.from_params(NUM_CLASSES, params.pretrain)  # the defaults' targets
-    return Trainer(
-        stage="bench", params=params, cfg=params.pretrain, model=new_model(params, mix_token),
-        classes=[str(i) for i in range(NUM_CLASSES)], train_loader=loader, val_loader=loader, runtime=CPU,
-        param_sections=("pretrain",), provenance={"data_digest": "random"}, checkpoint_dir=scratch, model_file=scratch / "model.pt",
-        metrics_dir=scratch, objective=objective,
+    return bench_trainer(
+        params, new_model(params, mix_token), CPU, scratch, num_classes=NUM_CLASSES, train_loader=loader,
+        val_loader=loader, token_labels=token_labels is not None,
     )
 
 
-class TrainerSteps:
-    def __init__(self, trainer: Trainer):
-        self.trainer = trainer
-
-    def __call__(self) -> int:
-        self.trainer.train_forward.train()
-        for batch in self.trainer.train_loader:
-            self.trainer.backward(batch, micro_steps=1, sync=True)
-            self.trainer.optimizer_step()
-        return len(self.trainer.train_loader) * self.trainer.cfg.batch_size
+def trainer_steps(trainer: Trainer) -> TrainerSteps:
+    """The Trainer's updates over its in-memory loader (the store rows looked up per batch, as the loader does)."""
+    return TrainerSteps(trainer, lambda: trainer.train_loader)
 
 
 class TrainerEpoch:
@@ -189,7 +168,7 @@ class TrainerEpoch:
         self.trainer = trainer
 
     def __call__(self) -> int:
-        self.trainer._train_epoch(epoch=0)
+        self.trainer.train_epoch(epoch=0)
         return len(self.trainer.train_loader) * self.trainer.cfg.batch_size
 
 
@@ -253,16 +232,19 @@ def main() -> None:
     params = parse_params(raw)
     batches = random_batches(params, args.steps)
     with tempfile.TemporaryDirectory(prefix="coarse2fine-bench-") as scratch:
-        store = random_token_labels(Path(scratch) / "token_labels", args.steps * params.pretrain.batch_size, params.seed)
+        store = random_store(
+            Path(scratch) / "token_labels", args.steps * params.pretrain.batch_size, num_classes=NUM_CLASSES,
+            top_k=TOP_K, grid=TEACHER_GRID, seed=params.seed,
+        )
         variants = {
             "bare loop": CpuTimed(BareLoop(params, batches)),
-            "Trainer step": CpuTimed(TrainerSteps(new_trainer(params, batches, Path(scratch)))),
+            "Trainer step": CpuTimed(trainer_steps(new_trainer(params, batches, Path(scratch)))),
             "Trainer epoch": CpuTimed(TrainerEpoch(new_trainer(params, batches, Path(scratch)))),
             "Trainer step + token labels": CpuTimed(
-                TrainerSteps(new_trainer(params, batches, Path(scratch), token_labels=store))
+                trainer_steps(new_trainer(params, batches, Path(scratch), token_labels=store))
             ),
             TOKEN_LABEL_ROW: CpuTimed(
-                TrainerSteps(new_trainer(params, batches, Path(scratch), token_labels=store, mix_token=True))
+                trainer_steps(new_trainer(params, batches, Path(scratch), token_labels=store, mix_token=True))
             ),
         }
         rates = interleaved(variants, args.repeats)

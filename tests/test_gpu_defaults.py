@@ -133,6 +133,6 @@ def test_the_epoch_is_timed_with_the_device_synchronised(tmp_path, monkeypatch):
     monkeypatch.setattr(train.time, "perf_counter", lambda: events.append("clock") or clock())
     trainer = ground_truth_trainer(tmp_path, runtime=RecordingRuntime(0, 1, 0, torch.device("cpu")))
     events.clear()
-    trainer._train_epoch(0)
+    trainer.train_epoch(0)
     clock_reads = [index for index, event in enumerate(events) if event == "clock"]
     assert len(clock_reads) == 2 and all(events[index - 1] == "synchronize" for index in clock_reads)

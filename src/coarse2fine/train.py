@@ -340,7 +340,7 @@ class Trainer:
             for split in ("train", "val") if self.records_dir else ():
                 tracker.log_records(self.records_dir, split)
             for epoch in range(self.start_epoch, self.cfg.total_epochs):
-                metrics = self._train_epoch(epoch) | self._validate()
+                metrics = self.train_epoch(epoch) | self._validate()
                 self.history.append(metrics)
                 self.save_checkpoint(epoch + 1)
                 tracker.log_metrics(metrics, step=epoch)
@@ -376,7 +376,7 @@ class Trainer:
         """What is validated and saved, as a plain module: the EMA weights when EMA is on."""
         return self.parallel.whole(self.ema.module if self.ema else self.model)
 
-    def _train_epoch(self, epoch: int) -> dict[str, float]:
+    def train_epoch(self, epoch: int) -> dict[str, float]:
         sums = self.resumed_epoch or EpochProgress(loss_sum=torch.zeros((), device=self.runtime.device))
         self.resumed_epoch = None
         self.objective.load_state_dict(sums.objective)

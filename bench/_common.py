@@ -257,11 +257,20 @@ def tiny_sizes(parser: argparse.ArgumentParser, args: argparse.Namespace, **size
                 setattr(args, name, value)
 
 
+def plain_options(args: argparse.Namespace) -> dict:
+    """The options as JSON takes them: paths (alone or in lists) as strings."""
+    def plain(value: object) -> object:
+        if isinstance(value, list):
+            return [plain(item) for item in value]
+        return str(value) if isinstance(value, Path) else value
+
+    return {key: plain(value) for key, value in vars(args).items()}
+
+
 def write_json(args: argparse.Namespace, text: str, raw: dict) -> None:
     """The report, the options and the raw numbers, to --json PATH if given."""
     if args.json is not None:
-        options = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
-        report = {"report": text, "args": options, **raw}
+        report = {"report": text, "args": plain_options(args), **raw}
         args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
 
 
@@ -328,8 +337,7 @@ def write_results(args: argparse.Namespace, topic: str, text: str, raw: dict) ->
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{topic}_{machine_slug()}_{datetime.date.today().isoformat()}.md"
     path.write_text(text + "\n", encoding="utf-8")
-    options = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
-    path.with_suffix(".json").write_text(json.dumps({"args": options, **raw}, indent=2) + "\n", encoding="utf-8")
+    path.with_suffix(".json").write_text(json.dumps({"args": plain_options(args), **raw}, indent=2) + "\n", encoding="utf-8")
     print(f"written: {path.relative_to(folder.parent) if folder == RESULTS_DIR else path}", flush=True)
     return path
 

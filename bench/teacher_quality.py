@@ -155,6 +155,8 @@ def report(runs: list[dict], args: argparse.Namespace) -> str:
             if arm == TEACHER_ONLY:
                 continue
             chosen = [run for run in at_quality if run["arm"] == arm]
+            if not chosen:  # not run at this quality
+                continue
             cells = [mean([run["students"][column] for run in chosen]) for column in columns]
             gaps = [
                 f"{statistics.fmean(run['students'][column] for run in chosen) - statistics.fmean(truth[column]):+.2f}"

@@ -145,7 +145,8 @@ def report(runs: list[dict], args: argparse.Namespace) -> str:
         return shown if len(values) == 1 else f"{shown} ({' / '.join(f'{value:.2f}' for value in values)})"
 
     columns = [column for _, _, column in STUDENT_COLUMNS]
-    truth = {column: [run["students"][column] for run in runs if run["arm"] == TEACHER_ONLY] for column in columns}
+    truth = {column: {run["seed"]: run["students"][column] for run in runs if run["arm"] == TEACHER_ONLY}
+             for column in columns}
     rows = []
     for epochs in sorted(args.teacher_epochs, reverse=True):
         at_quality = [run for run in runs if run["teacher_epochs"] == epochs and "teacher" in run]
@@ -158,13 +159,13 @@ def report(runs: list[dict], args: argparse.Namespace) -> str:
             if not chosen:  # not run at this quality
                 continue
             cells = [mean([run["students"][column] for run in chosen]) for column in columns]
-            gaps = [
-                f"{statistics.fmean(run['students'][column] for run in chosen) - statistics.fmean(truth[column]):+.2f}"
-                if truth[column] else "-" for column in columns
+            gaps = [  # against ground truth at the same seeds
+                f"{statistics.fmean(run['students'][column] - truth[column][run['seed']] for run in chosen):+.2f}"
+                if all(run["seed"] in truth[column] for run in chosen) else "-" for column in columns
             ]
             rows.append([str(epochs), teacher, arm, *cells, " / ".join(gaps)])
     if any(truth.values()):
-        rows.append(["-", "-", TEACHER_ONLY, *[mean(truth[column]) for column in columns], "0"])
+        rows.append(["-", "-", TEACHER_ONLY, *[mean(list(truth[column].values())) for column in columns], "0"])
     epochs_line = "students: params.yaml's epochs" if args.student_epochs is None else (
         f"students: pretrain {args.student_epochs[0]} + finetune {args.student_epochs[1]} epochs (not the defaults)")
     return "\n".join([

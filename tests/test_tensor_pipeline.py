@@ -162,7 +162,9 @@ def test_a_micro_batch_s_token_targets_are_its_rows_of_the_batch_s_found_without
     part = train.micro_batch({key: value.to("meta") for key, value in batch.items()}, torch.arange(2, device="meta"))
     monkeypatch.setattr(torch, "autocast", lambda *args, **kwargs: contextlib.nullcontext())  # none for meta
     output = models.TrainOutput(torch.zeros(2, 10, device="meta"), torch.zeros(2, 4, 10, device="meta"))
-    assert losses.TokenLabelObjective(10, label_smoothing=0.1)(output, part).device.type == "meta"
+    objective = losses.TokenLabelObjective.from_params(10, make_params(pretrain=TRAIN).pretrain)  # the label mixed in
+    assert objective.ground_truth_mix and objective.ground_truth_tokens
+    assert objective(output, part).device.type == "meta"
 
 
 # ------------------------------------------------------------------------------------------- real ranks
@@ -312,7 +314,8 @@ def _fit(runtime, layout: str, cfg: Parallel, out: Path) -> None:
                 train_loader=ListLoader(batches), val_loader=ListLoader(batches), runtime=runtime,
                 param_sections=("pretrain",), provenance={"data_digest": "random"},
                 checkpoint_dir=out / layout / "ckpt", model_file=out / layout / "model.pt",
-                metrics_dir=out / layout / "metrics", objective=losses.TokenLabelObjective(10, label_smoothing=0.1),
+                metrics_dir=out / layout / "metrics",
+                objective=losses.TokenLabelObjective.from_params(10, params.pretrain),  # the defaults' targets
             )
         if fused:  # SGD: the plain tensors' groups fused, not the DTensors' (torch has no fused SGD for them)
             assert [group["fused"] for group in made.optimizer.param_groups] == [True, False, True, False]

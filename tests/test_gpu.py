@@ -78,7 +78,7 @@ def test_a_bf16_token_label_step_on_the_gpu(digits_records, tmp_path):
         train_loader=loader, val_loader=dali_loader(digits_records, "val"), runtime=gpu_runtime(),
         param_sections=("pretrain",), provenance={}, checkpoint_dir=tmp_path / "ckpt",
         model_file=tmp_path / "model.pt", metrics_dir=tmp_path / "metrics",
-        objective=losses.TokenLabelObjective(10, label_smoothing=0.1),
+        objective=losses.TokenLabelObjective.from_params(10, params.pretrain),  # the defaults' targets
     )
     assert trainer.optimizer.defaults.get("fused") is True
     before = [parameter.detach().clone() for parameter in model.parameters()]

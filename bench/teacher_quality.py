@@ -20,7 +20,7 @@ pre-trained student at 48 px (its own) and 64 px, the fine-tuned one at 64 px; t
 recipe's gap to ground truth.
 
 Run: python bench/teacher_quality.py [--seeds 0 1] [--teacher-epochs 30 8 4 3] [--arms ...] [--workdir DIR]
-(make teacher-quality; about 2 h 30 min on 2 CPU cores with the defaults). `--student-epochs PRE FINE` shortens
+(make teacher-quality; about 5 hours on 2 CPU cores with the defaults: 18 DVC experiments, 9 per seed). `--student-epochs PRE FINE` shortens
 the students for a quick look (then the figures are not the defaults').
 """
 
@@ -144,6 +144,7 @@ def report(runs: list[dict], args: argparse.Namespace) -> str:
         shown = f"{statistics.fmean(values):.2f}"
         return shown if len(values) == 1 else f"{shown} ({' / '.join(f'{value:.2f}' for value in values)})"
 
+    runs = sorted(runs, key=lambda run: run["seed"])  # each cell's seeds in one order
     columns = [column for _, _, column in STUDENT_COLUMNS]
     truth = {column: {run["seed"]: run["students"][column] for run in runs if run["arm"] == TEACHER_ONLY}
              for column in columns}
@@ -169,7 +170,8 @@ def report(runs: list[dict], args: argparse.Namespace) -> str:
     epochs_line = "students: params.yaml's epochs" if args.student_epochs is None else (
         f"students: pretrain {args.student_epochs[0]} + finetune {args.student_epochs[1]} epochs (not the defaults)")
     return "\n".join([
-        f"photos, seeds {', '.join(map(str, args.seeds))}; {epochs_line}; top-1 % on val, mean over seeds (per seed)",
+        f"photos, seeds {', '.join(map(str, args.seeds))}; {epochs_line}; top-1 % on val, mean over seeds (per seed, "
+        "in that order)",
         "",
         markdown_table(["teacher epochs", "teacher val / dense train / cells top-1 %", "targets", *columns,
                         "gap to ground truth (pretrain @48 / @64 / finetune)"], rows),

@@ -62,7 +62,8 @@ def main(params: Params, args: argparse.Namespace) -> None:
             tracker.log_records(args.records, "train")
             metrics = make_store().metrics()
             tracker.log_summary(metrics)
-            tracker.set_tag("teacher_warning", unreliable_teacher_warning(metrics) or "none")
+            warning = unreliable_teacher_warning(metrics)
+            tracker.set_tag("teacher_warning", warning or "none")
             if runtime.is_main:
                 store.write_student_deps(Path(args.out), store_written=True)
                 print(
@@ -73,7 +74,7 @@ def main(params: Params, args: argparse.Namespace) -> None:
                     f"of each cell's probability",
                     flush=True,
                 )
-                if (warning := unreliable_teacher_warning(metrics)) is not None:
+                if warning is not None:
                     print(f"token_labels: {warning}", flush=True)
                 print(
                     f"token_labels: {metrics['bytes_per_image']} bytes/image "

@@ -11,12 +11,13 @@ import shutil
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
 import pytest
 
-from coarse2fine.stage_server import SERVER_ENV
+from coarse2fine.stage_server import SERVER_ENV, running as running_stage_server
 from conftest import PROJECT_ROOT
 
 STAGE = """import json, os, sys, time
@@ -156,3 +157,32 @@ def test_the_command_form_runs_its_command_under_a_server_of_its_own(tmp_path):
     assert ranks_seen(tmp_path, launch(tmp_path, "--params", "two.yaml", wrapper=wrapper)) == [
         (rank, True, ["stage.py", "--params", "two.yaml"]) for rank in ("0", "1")
     ]
+
+
+@pytest.mark.slow
+def test_the_server_finds_what_the_callers_pythonpath_finds_and_starts_without_what_is_not_installed(
+    tmp_path, monkeypatch
+):
+    """As on the H200 of 2026-11-27, where the dependencies came through PYTHONPATH (`pip install --target`,
+    docs/gpu.md) and MLflow was not installed: the server used to replace PYTHONPATH by the project's src (its
+    preload of nvidia.dali failed), then stopped at its preload of mlflow; either way every GPU smoke test stopped at
+    the suite's fixture. Now it sees the caller's path and leaves an absent package to the stage that imports it."""
+    site, marker = tmp_path / "site", tmp_path / "started"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(  # imported at start-up from the first folder of the path that has one
+        textwrap.dedent("""\
+            import importlib.abc, os, pathlib, sys
+            pathlib.Path(os.environ["SERVER_MARKER"]).write_text(str(os.getpid()))
+
+            class NotInstalled(importlib.abc.MetaPathFinder):
+                def find_spec(self, name, path=None, target=None):
+                    if name.partition(".")[0] == "mlflow":
+                        raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+            sys.meta_path.insert(0, NotInstalled())
+        """)
+    )
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    monkeypatch.setenv("SERVER_MARKER", str(marker))
+    with running_stage_server():  # raises if the server did not start
+        assert marker.is_file(), "the server did not see the caller's PYTHONPATH"

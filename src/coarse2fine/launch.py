@@ -81,8 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     except UserError as error:
         cli.print_user_error(error)
         sys.exit(cli.USER_ERROR_EXIT)
-    search_path = (str(stage_server.SOURCE_DIR), os.environ.get("PYTHONPATH"))
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, search_path))
+    os.environ["PYTHONPATH"] = stage_server.search_path()
     if dry_run:
         print(shlex.join(srun or [sys.executable, "-m", "coarse2fine.launch", *argv]), flush=True)
         return

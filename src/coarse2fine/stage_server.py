@@ -64,6 +64,12 @@ PR_SET_PDEATHSIG = 1
 # The caller's side: a launcher, or one of torchrun's workers.
 
 
+def search_path() -> str:
+    """PYTHONPATH for a process that runs this package: this checkout's `src` first, then the caller's own entries
+    (dependencies installed with `pip --target` and found through PYTHONPATH, as on a GPU node: docs/gpu.md)."""
+    return os.pathsep.join(filter(None, (str(SOURCE_DIR), os.environ.get("PYTHONPATH"))))
+
+
 def address() -> str | None:
     """The stage server to use: COARSE2FINE_STAGE_SERVER's, never under Slurm."""
     return None if "SLURM_JOB_ID" in os.environ else os.environ.get(SERVER_ENV)
@@ -149,14 +155,21 @@ def _receive(connection: socket.socket) -> dict:
 
 
 def serve(address: Path) -> NoReturn:
-    """Import PRELOADED, then fork a supervised copy of this process for each launcher that connects."""
+    """Import PRELOADED, then fork a supervised copy of this process for each launcher that connects. A preloaded
+    package that is not installed is left to the stage that imports it, which says so itself: a GPU node may hold
+    only what its checks need (no MLflow for `pytest -m gpu`)."""
     for name in PRELOADED:
-        importlib.import_module(name)
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as error:
+            if not f"{name}.".startswith(f"{error.name}."):  # one of its own imports failed: a broken install
+                raise
     # MLflow checks a logged model's requirements against a map of every installed distribution's modules, which
     # it builds once per process (1.4-1.6 s of every training stage's log_model): built here, every copy has it.
-    from mlflow.utils import requirements_utils
+    if "mlflow" in sys.modules:
+        from mlflow.utils import requirements_utils
 
-    requirements_utils._init_modules_to_packages_map()
+        requirements_utils._init_modules_to_packages_map()
     # Out of the collector's reach: a copy's full collections would otherwise walk every object of these imports
     # (0.5-0.7 s each time) and write to their pages, which the copies share with the server until written.
     gc.freeze()
@@ -293,7 +306,7 @@ def running() -> Iterator[Path]:
         address = Path(directory) / "socket"
         server = subprocess.Popen(
             [sys.executable, "-m", "coarse2fine.stage_server", "--serve", str(address)],
-            env={**os.environ, "PYTHONPATH": str(SOURCE_DIR)}, stdout=subprocess.PIPE, text=True,
+            env={**os.environ, "PYTHONPATH": search_path()}, stdout=subprocess.PIPE, text=True,
             start_new_session=True,  # a Ctrl-C reaches each stage once, forwarded by its launcher
         )
         try:

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from _common import (
@@ -128,9 +130,24 @@ class ProjectLoader:
         self.epoch = 0
 
     def __call__(self) -> int:
+        return sum(len(batch["index"]) for batch in self._next_epoch())
+
+    def first_batch_and_second_half(self) -> tuple[float, float]:
+        """One epoch: seconds to its first batch (a DALI pipeline's build, DataLoader workers' start: paid once an
+        epoch) and img/s over its second half, the rate a long epoch approaches once the batches that were loading
+        ahead of the first (workers x prefetch) are used up: an epoch of several times that many batches."""
+        arrivals, images = [], []
+        started = time.perf_counter()
+        for batch in self._next_epoch():
+            arrivals.append(time.perf_counter() - started)
+            images.append(len(batch["index"]))
+        half = len(arrivals) // 2
+        return arrivals[0], sum(images[half + 1:]) / (arrivals[-1] - arrivals[half])
+
+    def _next_epoch(self) -> Iterator[dict]:
         self.loader.set_epoch(self.epoch)
         self.epoch += 1
-        return sum(len(batch["index"]) for batch in self.loader)
+        return iter(self.loader)
 
 
 class ImageFolderLoader:

@@ -7,11 +7,11 @@ project's default scale, ratio and bicubic resize) -> 224 x 224 -> horizontal fl
 normalise [-> random erasing], with the same number of threads/workers and batch size (the recipe's augment:
 --rand-augment rand-m9-mstd0.5-inc1 --reprob 0.25, as timm's create_transform builds it). Rows:
 - dali: build_loader(backend="dali") as it runs without a GPU: DALI decodes the crop, torch finishes the batch
-  (see dali_pipeline.HostFinish; bench/loader_profile.py shows why);
+  (see dali_backend.HostFinish; bench/loader_profile.py shows why);
 - torch: build_loader(backend="torch"), the DataLoader fallback over the same records;
 - imagefolder: torchvision ImageFolder + PIL + DataLoader on the source tree (RandomResizedCrop, flip, ToTensor,
   Normalize), the usual baseline;
-- crop decode only: the dali row's own DALI graph (dali_pipeline.train_pipeline as build_loader defines it
+- crop decode only: the dali row's own DALI graph (dali_backend.train_pipeline as build_loader defines it
   without a GPU: read, draw the crop window, decode only that window) with the same per-epoch seeds, so it
   decodes the same windows, and nothing after the decode (no RandAugment, no torch finish): the limit of a
   loader that decodes crops like this one on this machine.
@@ -48,11 +48,11 @@ from torchvision import transforms as T
 
 from coarse2fine.config import parse_params
 from coarse2fine.data import records
-from coarse2fine.data.dali_pipeline import train_pipeline
+from coarse2fine.data.dali_backend import train_pipeline
 from coarse2fine.data.loaders import build_loader
 from coarse2fine.data.sampling import derive_seed
 from coarse2fine.data.transforms import IMAGE_MEAN, IMAGE_STD
-from coarse2fine.data.torch_pipeline import timm_rand_augment
+from coarse2fine.data.torch_backend import timm_rand_augment
 from coarse2fine.distributed import Runtime
 
 IMG_SIZE = 224  # the default --img-size

@@ -25,7 +25,7 @@ from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
 from coarse2fine.config import parse_params
 from coarse2fine.data import records
-from coarse2fine.data.dali_pipeline import READER_NAME, normalise, read_records, stored_shape
+from coarse2fine.data.dali_backend import READER_NAME, normalise, read_records, stored_shape
 from loader import BATCH_SIZE, TINY_IMAGES, CropDecodeOnly, ProjectLoader, add_img_size_argument
 
 RESIZES = {  # row name -> fn.resize filter options

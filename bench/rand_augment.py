@@ -1,4 +1,4 @@
-"""Where RandAugment's CPU time goes: each op of the DALI backend (dali_pipeline.rand_augment_ops, as its train graph
+"""Where RandAugment's CPU time goes: each op of the DALI backend (dali_backend.rand_augment_ops, as its train graph
 applies them) against the same op of timm (its PIL transform, what torchvision ImageFolder + timm's create_transform
 runs), and the whole policy both ways, on the same photo-like images.
 
@@ -25,8 +25,8 @@ from nvidia.dali import fn, pipeline_def, types
 from nvidia.dali.auto_aug.core import signed_bin
 
 from coarse2fine.config import MAX_RAND_AUGMENT_MAGNITUDE, parse_params
-from coarse2fine.data.dali_pipeline import SIMPLE_EXECUTOR, rand_augment_ops, rand_augment_with_geometry
-from coarse2fine.data.torch_pipeline import TIMM_OPS, timm_rand_augment
+from coarse2fine.data.dali_backend import SIMPLE_EXECUTOR, rand_augment_ops, rand_augment_with_geometry
+from coarse2fine.data.torch_backend import TIMM_OPS, timm_rand_augment
 
 BATCH_SIZE = 64
 POLICY = "the whole policy"

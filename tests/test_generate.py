@@ -185,9 +185,9 @@ def test_token_targets_follow_the_colours_through_both_loaders(two_colour_record
 @pytest.fixture
 def geometric_ops_only(monkeypatch):
     """RandAugment without its colour ops, which would recolour red and blue (invert swaps them)."""
-    from coarse2fine.data import dali_pipeline, torch_pipeline
+    from coarse2fine.data import dali_backend, torch_backend
 
-    for module in (dali_pipeline, torch_pipeline):
+    for module in (dali_backend, torch_backend):
         monkeypatch.setattr(module, "RAND_AUGMENT_OPS", RAND_AUGMENT_GEOMETRIC_OPS)
 
 

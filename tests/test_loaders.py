@@ -26,7 +26,7 @@ from conftest import DIGITS_RECORDS_PARAMS, LOADER_GRAPHS, cpu_runtime, make_par
 from PIL import Image
 
 from coarse2fine import distributed
-from coarse2fine.data import dali_pipeline, records
+from coarse2fine.data import dali_backend, records
 from coarse2fine.data.convert import convert
 from coarse2fine.data.loaders import build_loader
 from coarse2fine.data.transforms import IDENTITY_AFFINE, IMAGE_MEAN, IMAGE_STD
@@ -348,10 +348,10 @@ def dali_graph(records_dir, split: str, device: str, augment: dict, **pipeline):
         shard_id=0, num_shards=1, img_size=IMG_SIZE, device=device, num_threads=1, **pipeline,
     )
     if split == "train":
-        return dali_pipeline.train_pipeline(
+        return dali_backend.train_pipeline(
             augment=params.augment, rand_spec=params.augment.rand_augment_spec, finish_on_host=False, **common
         )
-    return dali_pipeline.val_pipeline(crop_pct=0.875, interpolation=params.augment.interpolation, **common)
+    return dali_backend.val_pipeline(crop_pct=0.875, interpolation=params.augment.interpolation, **common)
 
 
 GPU_AUGMENTS = [
@@ -373,7 +373,7 @@ def test_the_gpu_graphs_use_only_operators_dali_registers_where_they_are_placed(
         "mixed": set(backend.RegisteredMixedOps(True)),
     }
     for split in ("train", "val"):
-        with dali_pipeline._without_dali_alias_warnings():  # DALI's own RandAugment calls deprecated aliases
+        with dali_backend._without_dali_alias_warnings():  # DALI's own RandAugment calls deprecated aliases
             graph = dali_graph(digits_records, split, "mixed", augment, batch_size=4, device_id=0)
             graph._build_graph()  # DALI's graph definition only: no device is touched (private, pinned DALI)
         placed = {(op._op.schema.Name(), op._op.device) for op in graph._ops}  # the backend's names
@@ -532,7 +532,7 @@ def test_under_the_gpus_executor_no_host_tensor_of_a_batch_is_a_view_of_dalis_bu
     """On a GPU, DALI's default executor gives DALIGenericIterator zero-copy views of its output buffers
     (torch.from_dlpack); `Loader` copies host tensors to the GPU with non_blocking, so each must be torch's own
     memory, not a buffer DALI may reuse for the next batch. That executor run on the CPU, over the GPU's graph."""
-    monkeypatch.setattr(dali_pipeline, "executor", lambda settings: {})
+    monkeypatch.setattr(dali_backend, "executor", lambda settings: {})
     views = []
     from_dlpack = torch.from_dlpack
 

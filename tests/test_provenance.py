@@ -51,7 +51,7 @@ def test_imports_are_followed_through_modules_packages_and_function_bodies():
                    "__init__.py", "data/__init__.py", "labels/__init__.py"):
         assert f"src/coarse2fine/{module}" in files
     # loaders.py imports its backends inside a function.
-    assert "src/coarse2fine/data/dali_pipeline.py" in relative(provenance.code_files(ROOT / "stages/evaluate.py"))
+    assert "src/coarse2fine/data/dali_backend.py" in relative(provenance.code_files(ROOT / "stages/evaluate.py"))
     # Nothing the stage cannot run: convert never imports the trainer.
     assert "src/coarse2fine/train.py" not in relative(provenance.code_files(ROOT / "stages/convert.py"))
 

@@ -1,7 +1,7 @@
 """How far the train order moves from one epoch to the next, on both backends, on real records in many small shards
 with a DALI shuffle buffer much smaller than the split, as at ImageNet scale.
 
-ImageNet on 8 ranks: 128 shards of ~1,251 records a rank, a buffer (`dali_pipeline.SHUFFLE_BUFFER`) of about a
+ImageNet on 8 ranks: 128 shards of ~1,251 records a rank, a buffer (`dali_backend.SHUFFLE_BUFFER`) of about a
 tenth of a rank's records, 13 shards' worth. Scaled down here: 434 digits in 32 shards, a 48-record buffer (3.5
 shards' worth, so batch-mates recur more than there), one rank. Two statistics per pair of consecutive epochs, mean
 over the pairs of epochs 0..4:
@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from conftest import DIGITS_RECORDS_PARAMS, cpu_runtime, make_params
 
-from coarse2fine.data import dali_pipeline
+from coarse2fine.data import dali_backend
 from coarse2fine.data.convert import convert
 from coarse2fine.data.loaders import build_loader
 
@@ -84,7 +84,7 @@ def mean_statistics(orders: list[list[int]]) -> tuple[float, float]:
 
 
 def test_dali_reorders_the_records_between_epochs_about_as_much_as_a_permutation(many_shards, monkeypatch):
-    monkeypatch.setattr(dali_pipeline, "SHUFFLE_BUFFER", BUFFER)
+    monkeypatch.setattr(dali_backend, "SHUFFLE_BUFFER", BUFFER)
     statistics = {backend: mean_statistics(epoch_orders(many_shards, backend)) for backend in ("torch", "dali")}
     (torch_displacement, torch_recurrence), (dali_displacement, dali_recurrence) = statistics.values()
     assert abs(torch_displacement - 1 / 3) < 0.02 and 0.7 < torch_recurrence < 1.3, statistics

@@ -164,7 +164,7 @@ class Loader(Section):
     workers: int = Field(2, ge=0)  # DALI threads / torch DataLoader workers per rank
     prefetch: int = Field(2, gt=0)  # batches prepared ahead: torch DataLoader workers, DALI on a GPU
     # DALI's train graph. auto: on a GPU all of it in DALI, on a CPU it stops at the decoded crop and the host
-    # finishes the batch (1.7x faster there: data/dali_pipeline.py). all_dali: the GPU's graph wherever it runs, so
+    # finishes the batch (1.7x faster there: data/dali_backend.py). all_dali: the GPU's graph wherever it runs, so
     # a CPU can run, and the suite checks, exactly what a GPU runs.
     dali_graph: Literal["auto", "all_dali"] = "auto"
 

@@ -110,7 +110,7 @@ class Runtime:
 
 
 def loader_graph(loader: str, runtime: Runtime) -> str:
-    """Where a loader backend does its work on `runtime`: DALI decodes `mixed` on a GPU (dali_pipeline's
+    """Where a loader backend does its work on `runtime`: DALI decodes `mixed` on a GPU (dali_backend's
     decode device follows `Runtime.device_id`), the torch backend in CPU worker processes."""
     if loader == "dali":
         return "gpu graph" if runtime.is_cuda else "cpu graph"

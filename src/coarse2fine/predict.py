@@ -25,7 +25,7 @@ from PIL import Image, UnidentifiedImageError
 from coarse2fine import cli, distributed, models
 from coarse2fine.data.convert import DECODE_ERRORS, on_white_rgb
 from coarse2fine.data.transforms import IMAGE_MEAN, IMAGE_STD, eval_transform
-from coarse2fine.data.torch_pipeline import to_normalised_tensor, val_resize_and_crop
+from coarse2fine.data.torch_backend import to_normalised_tensor, val_resize_and_crop
 from coarse2fine.errors import UserError
 from coarse2fine.evaluate import TOP_K
 from coarse2fine.tracking.models import load_logged_model
@@ -47,7 +47,7 @@ class Unreadable:
 
 class EvalTransform:
     """A recorded eval transform applied to an RGB PIL image: the torch val loader's steps
-    (torch_pipeline.ValTransform), built from the model's record instead of from the loader's settings."""
+    (torch_backend.ValTransform), built from the model's record instead of from the loader's settings."""
 
     def __init__(self, spec: dict[str, Any], model_ref: str):
         if list(spec["mean"]) != list(IMAGE_MEAN) or list(spec["std"]) != list(IMAGE_STD):

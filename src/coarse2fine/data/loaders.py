@@ -21,12 +21,12 @@ at batch k (nothing is read for the batches before); DALI runs its pipeline thro
   shards). The file list is part of the graph, so one graph serialised once (0.05 s an epoch to deserialise)
   cannot serve: defining costs 0.5 s an epoch with RandAugment, 4 ms without (2 s for a process's first graph),
   measured on 2 CPU cores. On a CPU they run DALI's simple executor, on a GPU its asynchronous one
-  (`dali_pipeline.executor`). Same seed -> identical batches, whatever the thread count
+  (`dali_backend.executor`). Same seed -> identical batches, whatever the thread count
   (tests/test_loaders.py).
 
 Shuffling: the train order changes about as much from one epoch to the next on both backends
 (tests/test_shuffle.py measures how far records move, on many small shards). torch draws a permutation. DALI
-reads whole shards in the epoch's order and draws each batch from a buffer of `dali_pipeline.SHUFFLE_BUFFER`
+reads whole shards in the epoch's order and draws each batch from a buffer of `dali_backend.SHUFFLE_BUFFER`
 records (why that size: its comment); with the shards in a fixed order, a record would stay within a few
 buffers of its place every epoch.
 
@@ -63,7 +63,7 @@ from coarse2fine.config import Augment
 from coarse2fine.config import Loader as LoaderConfig
 from coarse2fine.data import records
 from coarse2fine.data.sampling import Backend, LoaderSettings, count_records, shard_range, train_batches_per_rank
-from coarse2fine.data.torch_pipeline import TorchBackend
+from coarse2fine.data.torch_backend import TorchBackend
 from coarse2fine.data.transforms import IDENTITY_AFFINE, center_crop_box, moved_rows, normalised_window
 from coarse2fine.distributed import Runtime
 from coarse2fine.errors import UserError
@@ -197,7 +197,7 @@ def build_loader(
     )
     backend_name = resolve_backend(loader_cfg.backend)
     if backend_name == "dali":
-        from coarse2fine.data.dali_pipeline import DaliBackend as backend_class  # here: needs nvidia.dali
+        from coarse2fine.data.dali_backend import DaliBackend as backend_class  # here: needs nvidia.dali
     else:
         backend_class = TorchBackend
     return Loader(backend_name, backend_class(shards, settings), settings, token_labels)

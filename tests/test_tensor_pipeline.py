@@ -26,7 +26,7 @@ import pytest
 import torch
 from torch import nn
 
-from coarse2fine import distributed, losses, models, parallel, pipeline, tensor_parallel, train
+from coarse2fine import distributed, losses, models, parallel, pipeline_parallel, tensor_parallel, train
 from coarse2fine.config import CustomVolo, Parallel, TimmModel
 from coarse2fine.data.transforms import IDENTITY_AFFINE
 from coarse2fine.distributed import Runtime
@@ -100,18 +100,18 @@ def test_a_pipeline_deals_the_blocks_out_and_every_weight_has_one_stage():
                              ("volo", {"patch_embed": 0, "pos_embed": 0, "network.3.0": 0, "network.4.0": 1,
                                        "cls_token": 1, "post_network.1": 1, "aux_head": 1})):
         model = build(family)
-        parts = pipeline.assign(model, 2)
+        parts = pipeline_parallel.assign(model, 2)
         assert expected.items() <= parts.items()
-        keys = {stage: [key for key in model.state_dict() if pipeline.owner(key, parts) == stage] for stage in (0, 1)}
+        keys = {stage: [key for key in model.state_dict() if pipeline_parallel.owner(key, parts) == stage] for stage in (0, 1)}
         for stage in (0, 1):
             kept = build(family)
-            pipeline.keep_stage(kept, stage, parts)
+            pipeline_parallel.keep_stage(kept, stage, parts)
             assert list(kept.state_dict()) == keys[stage]  # the whole model's names, restricted to its stage
     with pytest.raises(UserError, match="parallel.pipeline: 5 stages, but VisionTransformer has 4 blocks"):
-        pipeline.assign(build("vit"), 5)
+        pipeline_parallel.assign(build("vit"), 5)
     resnet = models.build_model(TimmModel(name="resnet10t"), num_classes=10, img_size=32)
     with pytest.raises(UserError, match="parallel.pipeline: 2 splits timm's ViT and VOLO; not ResNet"):
-        pipeline.assign(resnet, 2)
+        pipeline_parallel.assign(resnet, 2)
 
 
 def test_tensor_parallelism_refuses_a_cnn_and_heads_it_cannot_split():

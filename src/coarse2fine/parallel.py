@@ -16,7 +16,7 @@ loop is the same under every strategy (torchtitan's parallelize step).
   With params `parallel.tensor` > 1 it first splits the transformer blocks over the mesh's tensor dimension
   (coarse2fine.tensor_parallel), then shards over the data dimension only (FSDP2 + TP, "2-D"); with
   `strategy: ddp` and one data rank, TP alone, with the same DCP checkpoints and plain replica.
-- `Pipelined` (params `parallel.pipeline` > 1): each rank keeps one stage of the model (coarse2fine.pipeline),
+- `Pipelined` (params `parallel.pipeline` > 1): each rank keeps one stage of the model (coarse2fine.pipeline_parallel),
   optionally split by TP and sharded by FSDP2 as above, and a micro-batched step runs through
   torch.distributed.pipelining's GPipe or 1F1B schedule (`forward_backward`). DCP checkpoints: every stage writes
   its own keys into one checkpoint, which loads under any layout.
@@ -306,7 +306,7 @@ class FullyShard:
 
 
 class Pipelined(FullyShard):
-    """One pipeline stage per rank (coarse2fine.pipeline), TP and FSDP2 inside it as FullyShard does, and each
+    """One pipeline stage per rank (coarse2fine.pipeline_parallel), TP and FSDP2 inside it as FullyShard does, and each
     micro-batched step through torch.distributed.pipelining's schedule."""
 
     def __init__(self, runtime: Runtime, param_dtype: torch.dtype | None, dims: ParallelDims, cfg: Parallel):
@@ -320,12 +320,12 @@ class Pipelined(FullyShard):
         self.micro_loss: Callable[[Any, torch.Tensor], torch.Tensor] | None = None  # the running step's
 
     def shard(self, model: nn.Module) -> None:
-        from coarse2fine import pipeline
+        from coarse2fine import pipeline_parallel
 
         self._start(model)
-        self.parts = pipeline.assign(model, self.dims.pipeline)
-        pipeline.keep_stage(model, self.stage_index, self.parts)
-        self.stage_forward = pipeline.StageForward(model, self.stage_index, self.parts)
+        self.parts = pipeline_parallel.assign(model, self.dims.pipeline)
+        pipeline_parallel.keep_stage(model, self.stage_index, self.parts)
+        self.stage_forward = pipeline_parallel.StageForward(model, self.stage_index, self.parts)
         # The stage's forward is FSDP's root: the pipeline calls it, not the model, and it holds the top-level
         # parameters (stem, heads); the pipeline's stage then drives FSDP's gradient sync per micro-batch.
         self._parallelize(model, self.stage_forward)
@@ -383,11 +383,11 @@ class Pipelined(FullyShard):
         holding it, gathered there over TP and FSDP."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        from coarse2fine import pipeline
+        from coarse2fine import pipeline_parallel
 
         local = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
         for key, tensor in self.replica.state_dict().items():
-            source = self.dims.rank_at(pipeline.owner(key, self.parts), 0, 0)
+            source = self.dims.rank_at(pipeline_parallel.owner(key, self.parts), 0, 0)
             if self.runtime.rank == source:
                 tensor.copy_(local[key])
             distributed.broadcast_tensors([tensor], src=source)

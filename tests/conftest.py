@@ -13,7 +13,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -46,6 +46,10 @@ def pytest_configure(config: pytest.Config) -> None:
     if os.environ.get("PYTEST_XDIST_WORKER"):
         os.environ["OMP_NUM_THREADS"] = "1"
         torch.set_num_threads(1)
+    else:  # the session's stage server (the fixture below), which pytest-xdist's workers find in their environment
+        server = contextlib.ExitStack()
+        os.environ[SERVER_ENV] = str(server.enter_context(running_stage_server(preloaded=False)))
+        config.add_cleanup(server.close)
 
 
 # Longest first: the tests ordered by their durations in a committed file, so that pytest-xdist's workers start on
@@ -142,15 +146,14 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     DURATIONS_FILE.write_text(json.dumps(dict(sorted(known.items())), indent=1) + "\n")
 
 
-@pytest.fixture(scope="session", autouse=True)
-def stage_server() -> Iterator[Path]:
-    """One stage server (coarse2fine.stage_server) per test process, used by every launched stage of the session:
-    the pipeline tests' hundreds of stage runs pay their imports once, not 6-7 s each. Tests about the launcher's
-    own processes opt out with `@pytest.mark.own_processes`."""
-    with running_stage_server() as address:
-        os.environ[SERVER_ENV] = str(address)
-        yield address
-        del os.environ[SERVER_ENV]
+@pytest.fixture(scope="session")
+def stage_server() -> Path:
+    """The session's one stage server (coarse2fine.stage_server), started by pytest_configure in the process that
+    runs the session (pytest-xdist's controller) and used by every launched stage of every worker: the pipeline
+    tests' hundreds of stage runs pay their imports once, not 6-7 s each. It listens at once and imports while the
+    workers collect; a stage launched before it is done waits for it. Tests about the launcher's own processes opt
+    out with `@pytest.mark.own_processes`."""
+    return Path(os.environ[SERVER_ENV])
 
 
 @pytest.fixture(autouse=True)

@@ -58,6 +58,7 @@ PRELOADED = (
 LIMITS = ("RLIMIT_FSIZE", "RLIMIT_NOFILE", "RLIMIT_AS", "RLIMIT_DATA", "RLIMIT_CORE", "RLIMIT_CPU", "RLIMIT_NPROC")
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 MAX_MESSAGE = 1 << 20
+LISTENING, PRELOADED_LINE = "stage server listening at", "stage server ready"  # what the server prints, in order
 PR_SET_PDEATHSIG = 1
 
 
@@ -155,9 +156,24 @@ def _receive(connection: socket.socket) -> dict:
 
 
 def serve(address: Path) -> NoReturn:
-    """Import PRELOADED, then fork a supervised copy of this process for each launcher that connects. A preloaded
-    package that is not installed is left to the stage that imports it, which says so itself: a GPU node may hold
-    only what its checks need (no MLflow for `pytest -m gpu`)."""
+    """Listen at `address`, import PRELOADED, then fork a supervised copy of this process for each launcher that
+    connects. A launcher that connects during the imports waits for them (its request queues at the socket), so
+    whoever started the server need not. A preloaded package that is not installed is left to the stage that
+    imports it, which says so itself: a GPU node may hold only what its checks need (no MLflow for `pytest -m gpu`)."""
+    _die_with_parent()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with contextlib.suppress(FileNotFoundError):
+        address.unlink()
+    listener.bind(str(address))
+    listener.listen(64)
+
+    def stop(*_: object) -> NoReturn:  # without the interpreter's teardown of torch and the rest (2-3 s)
+        address.unlink(missing_ok=True)
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    print(f"{LISTENING} {address}", flush=True)
     for name in PRELOADED:
         try:
             importlib.import_module(name)
@@ -177,21 +193,8 @@ def serve(address: Path) -> NoReturn:
 
     if torch.cuda.is_initialized():  # a fork of a process with CUDA initialised cannot use the GPU
         raise SystemExit("stage server: importing the stages' libraries initialised CUDA: a fork could not use it")
-    _die_with_parent()
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    with contextlib.suppress(FileNotFoundError):
-        address.unlink()
-    listener.bind(str(address))
-    listener.listen(64)
-
-    def stop(*_: object) -> NoReturn:  # without the interpreter's teardown of torch and the rest (2-3 s)
-        address.unlink(missing_ok=True)
-        os._exit(0)
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the supervisors reap themselves
-    print(f"stage server ready at {address}", flush=True)
+    print(PRELOADED_LINE, flush=True)
     while True:
         connection, _ = listener.accept()
         if os.fork() == 0:
@@ -300,8 +303,9 @@ def _die_with_parent() -> None:
 
 
 @contextlib.contextmanager
-def running() -> Iterator[Path]:
-    """A stage server in a process of its own while the block runs: its socket, once it is ready."""
+def running(preloaded: bool = True) -> Iterator[Path]:
+    """A stage server in a process of its own while the block runs: its socket, once the server listens there and,
+    if `preloaded`, has imported what the stages import (a launcher that comes earlier waits for that itself)."""
     with tempfile.TemporaryDirectory(prefix="coarse2fine-stage-server-") as directory:
         address = Path(directory) / "socket"
         server = subprocess.Popen(
@@ -310,8 +314,10 @@ def running() -> Iterator[Path]:
             start_new_session=True,  # a Ctrl-C reaches each stage once, forwarded by its launcher
         )
         try:
-            if not server.stdout.readline().startswith("stage server ready"):
-                raise RuntimeError(f"the stage server did not start (exit code {server.wait()})")
+            expected = [LISTENING, PRELOADED_LINE] if preloaded else [LISTENING]
+            for line in expected:
+                if not server.stdout.readline().startswith(line):
+                    raise RuntimeError(f"the stage server did not start (exit code {server.wait()})")
             yield address
         finally:
             server.terminate()
@@ -341,7 +347,7 @@ def main() -> None:
         return
     if not args.command:
         parser.error("give a COMMAND to run, or --serve SOCKET")
-    with running() as address:
+    with running(preloaded=False) as address:  # COMMAND's start-up (dvc's: seconds) overlaps the server's imports
         # As a shell waits for its command: a Ctrl-C is COMMAND's to handle (a handler, not SIG_IGN, which COMMAND
         # would inherit), and this process stops the server once COMMAND has ended.
         signal.signal(signal.SIGINT, lambda *_: None)

@@ -265,6 +265,20 @@ def fit_head_by_least_squares(model: torch.nn.Module, batches: list[dict]) -> No
         model.aux_head.bias.zero_()
 
 
+def launch_command(script: Path | str, *args: object, nproc: int | None = None) -> list[str]:
+    """`python -m coarse2fine.launch [--nproc_per_node=N] SCRIPT ARGS`, as dvc.yaml starts a stage: under the
+    session's stage server, the launcher and each rank are forks of it, not fresh imports of torch and the rest."""
+    ranks = [f"--nproc_per_node={nproc}"] if nproc else []
+    return [sys.executable, "-m", "coarse2fine.launch", *ranks, str(script), *map(str, args)]
+
+
+def torchrun_command(nproc: int, script: Path | str, *args: object) -> list[str]:
+    """torchrun of a per-rank program that is not a stage (no params file for the launcher to read), its workers
+    forks of the session's stage server (its `--worker` entry, as the launcher starts a stage's ranks)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            "-m", "coarse2fine.stage_server", "--worker", str(script), *map(str, args)]
+
+
 def free_ports(count: int) -> list[int]:
     """`count` distinct TCP ports free on 127.0.0.1 right now (for rendezvous and daemons started next)."""
     sockets = [socket.socket() for _ in range(count)]

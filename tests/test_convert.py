@@ -8,13 +8,12 @@ import re
 import resource
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import yaml
-from conftest import PROJECT_ROOT, cpu_runtime, make_params
+from conftest import PROJECT_ROOT, cpu_runtime, launch_command, make_params
 from PIL import Image
 from tfrecord.tools.tfrecord2idx import create_index
 
@@ -104,15 +103,11 @@ def build_image_folder(root: Path) -> Path:
 def run_stage(
     params: dict, params_path: Path, out: Path, nproc: int = 1, file_size_limit: int | None = None
 ) -> subprocess.Popen:
-    """Start stages/convert.py (under torchrun when nproc > 1) on `params` written to `params_path`;
-    `file_size_limit`: the process's RLIMIT_FSIZE in bytes (a disk that fills up, for real)."""
+    """Start stages/convert.py with `nproc` ranks through the launcher, as dvc.yaml does, on `params` written to
+    `params_path`; `file_size_limit`: the process's RLIMIT_FSIZE in bytes (a disk that fills up, for real)."""
     params_path.write_text(yaml.safe_dump(params, allow_unicode=True), encoding="utf-8")
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     metrics = out.parent / f"{out.name}-metrics"
-    command = [
-        *(torchrun if nproc > 1 else [sys.executable]), str(STAGE),
-        "--params", str(params_path), "--out", str(out), "--metrics", str(metrics),
-    ]
+    command = launch_command(STAGE, "--params", params_path, "--out", out, "--metrics", metrics, nproc=nproc)
     # Runs may go concurrently: each gets its own MLflow store (two processes creating one sqlite store at
     # once race in its schema migration), beside its outputs rather than in the project.
     env = {**ENV, "MLFLOW_TRACKING_URI": f"sqlite:///{out.parent / f'{out.name}-mlflow.db'}"}

@@ -10,14 +10,15 @@ import math
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import DIGITS_RECORDS_PARAMS, PROJECT_ROOT, cpu_runtime, fit_head_by_least_squares, make_params
+from conftest import (
+    DIGITS_RECORDS_PARAMS, PROJECT_ROOT, cpu_runtime, fit_head_by_least_squares, launch_command, make_params,
+)
 from mlflow import MlflowClient
 from PIL import Image
 from sklearn.metrics import confusion_matrix, log_loss, top_k_accuracy_score
@@ -233,10 +234,8 @@ def test_stage_under_torchrun_counts_every_sample_exactly_once(odd_records, mode
     out = tmp_path / "metrics" / "evaluate"
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{store}", "DVC_NO_ANALYTICS": "1", "MLFLOW_DISABLE_TELEMETRY": "true"}
     subprocess.run(
-        [
-            str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node=2", str(STAGE),
-            "--model", str(model_file), "--settings", "pretrain", "--records", str(odd_records), "--out", str(out),
-        ],
+        launch_command(STAGE, "--model", model_file, "--settings", "pretrain", "--records", odd_records, "--out", out,
+                       nproc=2),
         cwd=tmp_path, env=env, check=True, capture_output=True, text=True, timeout=600,
     )
 

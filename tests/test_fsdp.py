@@ -24,7 +24,7 @@ from torch import nn
 
 from coarse2fine import distributed, model_blocks, models, parallel, train
 from coarse2fine.config import CustomVolo, TimmModel
-from conftest import PROJECT_ROOT, make_params
+from conftest import PROJECT_ROOT, launch_command, make_params, torchrun_command
 from test_scale_out import finish, outcome, start_stage
 
 GLOBAL_BATCH = 8
@@ -81,9 +81,8 @@ def test_fsdp_trains_the_pretrain_stage_as_ddp_does(fsdp_run, digits_records, tm
     model, card = models.load_model_file(fsdp_run / "model" / "model.pt")
     assert all(type(tensor) is torch.Tensor for tensor in model.state_dict().values())
     evaluation = subprocess.run(
-        [sys.executable, "stages/evaluate.py", "--model", str(fsdp_run / "model" / "model.pt"),
-         "--settings", "pretrain", "--records", str(digits_records), "--out", str(tmp_path / "evaluate"),
-         "--params", str(fsdp_run / "params.yaml")],
+        launch_command("stages/evaluate.py", "--model", fsdp_run / "model" / "model.pt", "--settings", "pretrain",
+                       "--records", digits_records, "--out", tmp_path / "evaluate", "--params", fsdp_run / "params.yaml"),
         cwd=PROJECT_ROOT, env={**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'eval.db'}"},
         capture_output=True, text=True, timeout=300,
     )
@@ -143,9 +142,7 @@ def test_fsdp_trains_in_bf16_on_the_cpu(tmp_path):
 
 
 def torchrun(nproc: int, *args) -> None:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", __file__,
-               *map(str, args)]
-    result = subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600,
+    result = subprocess.run(torchrun_command(nproc, __file__, *args), cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
 

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import DIGITS_RECORDS_PARAMS, LOADER_GRAPHS, cpu_runtime, make_params
+from conftest import DIGITS_RECORDS_PARAMS, LOADER_GRAPHS, cpu_runtime, make_params, torchrun_command
 from PIL import Image
 
 from coarse2fine import distributed
@@ -482,8 +482,7 @@ def test_a_batch_larger_than_a_ranks_share_is_a_user_error(odd_records):
 def test_sharding_under_torchrun(odd_records, tmp_path):
     """Two real processes: val records exactly once across ranks (113, odd); train batches equal in number on both
     ranks (12 each, although DALI's shards hold 168 and 169 records) and disjoint; for both backends."""
-    torchrun = Path(sys.executable).with_name("torchrun")
-    command = [str(torchrun), "--standalone", "--nproc_per_node=2", __file__, str(odd_records), str(tmp_path)]
+    command = torchrun_command(2, __file__, odd_records, tmp_path)
     env = {**os.environ, "DVC_NO_ANALYTICS": "1", "MLFLOW_DISABLE_TELEMETRY": "true"}
     subprocess.run(command, check=True, timeout=300, env=env, cwd=Path(__file__).parent)
     ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]

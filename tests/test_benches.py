@@ -237,13 +237,33 @@ ABLATION_ROWS = ("token labels + MixToken, coarse-to-fine (the recipe)", "token 
 
 @pytest.mark.slow
 def test_ablation_tiny_runs_its_rows_as_dvc_experiments_in_the_shared_copy(
-    pipeline_workdir: tuple[Path, str],
+    pipeline_workdir: tuple[Path, str], monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     workdir, _ = pipeline_workdir
     rows = first_table(run_bench("ablation", "--tiny", "--workdir", str(workdir), "--rows", *ABLATION_ROWS))
     assert [row[0] for row in rows] == list(ABLATION_ROWS)
     assert_cells(rows, NUMBER, NUMBER, NUMBER, NUMBER)
-    assert all(0 <= float(top1) <= 100 for _, top1, *_ in rows)
+    # Each row's top-1 and loss are what its experiment's last evaluation wrote, as `dvc exp show` has them.
+    monkeypatch.syspath_prepend(str(PROJECT_ROOT / "bench"))
+    import ablation
+
+    shown = experiment_metrics(workdir / "project")
+    for name, top1, loss, *_ in rows:
+        last = "finetune" if ablation.ROWS[name][2] else "pretrain"
+        evaluation = shown[ablation._experiment_name(name)][f"metrics/evaluate/{last}/metrics.json"]
+        assert (top1, loss) == (f"{evaluation['top1']:.2f}", f"{evaluation['loss']:.3f}"), (name, evaluation)
+
+
+def experiment_metrics(project: Path) -> dict[str, dict[str, dict]]:
+    """experiment name -> metrics file -> its values, as `dvc exp show` has them in the DVC project `project`."""
+    shown = json.loads(subprocess.run([sys.executable, "-m", "dvc", "exp", "show", "--json"], cwd=project, capture_output=True, text=True,
+                                      check=True, env={**os.environ, "DVC_NO_ANALYTICS": "1"}).stdout)
+    return {
+        experiment["name"]: {
+            path: entry["data"] for path, entry in experiment["revs"][0]["data"]["metrics"].items() if "data" in entry
+        }
+        for baseline in shown for experiment in baseline.get("experiments") or []
+    }
 
 
 DEFAULT_STAGES = (

@@ -33,7 +33,7 @@ from coarse2fine.tracking.identity import (
     STAGE_TAG, outputs_digest, stage_params, tracking_uri,
 )
 from coarse2fine.tracking.lineage import record_lineage
-from coarse2fine.tracking.models import load_logged_model
+from coarse2fine.tracking.logged_model import load_logged_model
 from coarse2fine.tracking.runs import Tracker
 
 PRETRAIN_SECTIONS = ("seed", "model", "pretrain")
@@ -367,8 +367,8 @@ def test_a_model_torch_export_refuses_is_one_warning_and_the_run_goes_on(workdir
 def test_a_warning_after_mlflow_pytorch_is_imported_still_reaches_the_terminal():
     """mlflow.pytorch's import calls logging.basicConfig(level=ERROR): imported as is, every later warning of the
     project (a model that was not logged, above) is dropped on its way to stderr, in a stage's process."""
-    code = ("import logging; from coarse2fine.tracking import models; models.imported_mlflow_pytorch(); "
-            "logging.getLogger('coarse2fine.tracking.models').warning('warning: seen')")
+    code = ("import logging; from coarse2fine.tracking import logged_model; logged_model.imported_mlflow_pytorch(); "
+            "logging.getLogger('coarse2fine.tracking.logged_model').warning('warning: seen')")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                             env={**os.environ, "PYTHONPATH": str(PROJECT_ROOT / "src")})
     assert result.returncode == 0 and result.stderr.splitlines()[-1] == "warning: seen", result.stderr[-2000:]

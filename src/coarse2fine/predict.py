@@ -28,7 +28,7 @@ from coarse2fine.data.transforms import IMAGE_MEAN, IMAGE_STD, eval_transform
 from coarse2fine.data.torch_backend import to_normalised_tensor, val_resize_and_crop
 from coarse2fine.errors import UserError
 from coarse2fine.evaluate import TOP_K
-from coarse2fine.tracking.models import load_logged_model
+from coarse2fine.tracking.logged_model import load_logged_model
 
 MLFLOW_URI_SCHEMES = ("models:/", "runs:/")
 

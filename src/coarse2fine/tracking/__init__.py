@@ -37,6 +37,6 @@ MLflow is not opened.
 MLflow is a convenience, DVC's files are the record: if the store cannot be reached or written (a bad URI, a
 server that is down, a read-only database), the stage prints one warning and goes on without MLflow, and its
 metrics still land in the DVCLive files. Against a server, MLflow's HTTP retries are cut to
-`store.HTTP_RETRIES` (its default, 7 with exponential back-off, waits minutes per call) unless the environment
+`mlflow_store.HTTP_RETRIES` (its default, 7 with exponential back-off, waits minutes per call) unless the environment
 sets them.
 """

@@ -16,7 +16,7 @@ from coarse2fine.config import Params
 from coarse2fine.tracking.identity import (
     CACHED_FROM_TAG, MODEL_ID_TAG, OUTPUTS_TAG, REGISTERED_TAG, RESULT_STAGE, STAGE_TAG, outputs_digest, tracking_uri,
 )
-from coarse2fine.tracking.store import (
+from coarse2fine.tracking.mlflow_store import (
     MAX_METRICS_PER_BATCH, first_line, log_param_batches, opened_store, pipeline_run,
 )
 

@@ -31,8 +31,8 @@ from coarse2fine.tracking.identity import (
     stage_params, tracking_uri,
 )
 from coarse2fine.tracking.live import FileOnlyLive
-from coarse2fine.tracking.models import log_model
-from coarse2fine.tracking.store import (
+from coarse2fine.tracking.logged_model import log_model
+from coarse2fine.tracking.mlflow_store import (
     first_line, log_param_batches, log_resolved_params, opened_store, pipeline_run,
 )
 

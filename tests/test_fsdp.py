@@ -22,7 +22,8 @@ import torch
 import yaml
 from torch import nn
 
-from coarse2fine import distributed, model_blocks, models, parallel, train
+from coarse2fine import distributed, models, train
+from coarse2fine.parallel import model_blocks, strategies
 from coarse2fine.config import CustomVolo, TimmModel
 from conftest import PROJECT_ROOT, launch_command, make_params, torchrun_command
 from test_scale_out import finish, outcome, start_stage
@@ -161,7 +162,7 @@ def _bf16_step(runtime, out_dir: Path) -> None:
     torch.manual_seed(0)
     model = models.build_model(CustomVolo(), num_classes=10, img_size=32)
     reference = copy.deepcopy(model)
-    strategy = parallel.FullyShard(runtime, torch.bfloat16)
+    strategy = strategies.FullyShard(runtime, torch.bfloat16)
     strategy.shard(model)
     world = torch.distributed.get_world_size()
 
@@ -193,7 +194,7 @@ def _rank_main(mode: str, saved: str, out: str | None = None) -> None:
         torch.manual_seed(0)
         model = models.build_model(CustomVolo(), num_classes=10, img_size=32)
         model.eval()  # BatchNorm on running statistics: a step must not depend on how the batch is split
-        strategy = parallel.FullyShard(runtime, None)
+        strategy = strategies.FullyShard(runtime, None)
         strategy.shard(model)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         world = torch.distributed.get_world_size()

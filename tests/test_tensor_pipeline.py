@@ -26,7 +26,8 @@ import pytest
 import torch
 from torch import nn
 
-from coarse2fine import distributed, losses, models, parallel, pipeline_parallel, tensor_parallel, train
+from coarse2fine import distributed, losses, models, train
+from coarse2fine.parallel import pipeline_parallel, strategies, tensor_parallel
 from coarse2fine.config import CustomVolo, Parallel, TimmModel
 from coarse2fine.data.transforms import IDENTITY_AFFINE
 from coarse2fine.distributed import Runtime
@@ -128,7 +129,7 @@ def test_clipping_under_a_mesh_clips_as_torch_does_and_reads_no_value_back():
     """Under a mesh the Trainer clips by its own norm (TP's DTensors beside plain tensors, summed over the stages).
     Tensors on the meta device have no values: a host read (`.item()`) raises there, as it would make the GPU wait
     at every update."""
-    strategy = parallel.FullyShard(cpu_runtime(), None, ParallelDims(data=1, tensor=2, pipeline=1))
+    strategy = strategies.FullyShard(cpu_runtime(), None, ParallelDims(data=1, tensor=2, pipeline=1))
     strategy.mesh = SimpleNamespace()  # a mesh as far as clipping goes: one stage, no sum over stages
 
     def with_grads(device: str, generator: torch.Generator) -> list[nn.Parameter]:
@@ -356,7 +357,7 @@ def _run(runtime, layout: str, cfg: Parallel, family: str, out: Path) -> None:
     dims = ParallelDims.of(cfg, runtime.world_size)
     model = build(family)
     reference = copy.deepcopy(model)
-    strategy = parallel.build(cfg, runtime, None)
+    strategy = strategies.build(cfg, runtime, None)
     strategy.shard(model)
     train_forward = strategy.wrap(models.TrainForward(model))
     train_forward.train()

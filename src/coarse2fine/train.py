@@ -1,7 +1,7 @@
 """The one training loop, shared by every training stage (the teacher, pre-training and fine-tuning).
 
 Per optimizer update: `accum_steps` micro-batches through DDP, FSDP2, tensor or pipeline parallelism
-(coarse2fine.parallel: a component built from params; gradients reduced only on the last micro-batch),
+(coarse2fine.parallel.strategies: a component built from params; gradients reduced only on the last micro-batch),
 optional clipping, the optimizer step, the per-update LR schedule and the EMA. Per epoch: validation,
 metrics, and a checkpoint that makes a killed run resumable with bit-identical results on CPU; inside an epoch,
 a checkpoint every `checkpoint.every_minutes` or `checkpoint.every_updates` (params; `CheckpointSchedule`), after
@@ -20,7 +20,7 @@ with `torch.load(weights_only=True)`; deleted once the stage's outputs are writt
                and under `ranks` every rank's, which each resumes
     updates    optimizer updates so far (the scheduler's and the EMA's clock)
     model, optimizer, scheduler, scaler, ema    state dicts (ema: None when off); under FSDP `sharded` instead
-               of model and optimizer: the DCP directory beside the file holding them (coarse2fine.parallel)
+               of model and optimizer: the DCP directory beside the file holding them (coarse2fine.parallel.strategies)
     rng        one entry per rank: torch / numpy / random (/ cuda) generator states
     run_id     the MLflow run, reopened on resume
     history    every finished epoch's metrics: a resumed run rebuilds its DVCLive curves from them (DVC deletes
@@ -58,7 +58,8 @@ from timm.scheduler.scheduler import Scheduler
 from timm.utils import ModelEmaV3
 from torch import nn
 
-from coarse2fine import config, distributed, losses, models, parallel
+from coarse2fine import config, distributed, losses, models
+from coarse2fine.parallel import strategies
 from coarse2fine.data import records
 from coarse2fine.data.transforms import eval_transform
 from coarse2fine.distributed import Runtime
@@ -276,7 +277,7 @@ class Trainer:
 
         self.autocast_dtype = runtime.autocast_dtype(cfg.precision)
         # DDP, FSDP, TP, a pipeline (params parallel): the loop below is the same under all of them.
-        self.parallel = parallel.build(params.parallel, runtime, self.autocast_dtype)
+        self.parallel = strategies.build(params.parallel, runtime, self.autocast_dtype)
         self.model = runtime.place(model)
         self.parallel.shard(self.model)
         # Only the training forward is compiled (models.compiled_train_forward).
@@ -365,7 +366,7 @@ class Trainer:
                 tracker.log_artifact(self.records_dir / name)
         if self.runtime.is_main:  # the outputs are written: DVC's cache keeps the result from here on
             self.checkpoint_path.unlink(missing_ok=True)
-            for shards in self.checkpoint_path.parent.glob(f"{parallel.SHARDS_PREFIX}*"):
+            for shards in self.checkpoint_path.parent.glob(f"{strategies.SHARDS_PREFIX}*"):
                 shutil.rmtree(shards)
             with contextlib.suppress(OSError):  # the dir, if nothing else is in it
                 self.checkpoint_path.parent.rmdir()
@@ -615,7 +616,7 @@ class Trainer:
         distributed.barrier()
         if self.runtime.is_main:
             aside.mkdir(parents=True, exist_ok=True)
-            for path in [self.checkpoint_path, *directory.glob(f"{parallel.SHARDS_PREFIX}*")]:
+            for path in [self.checkpoint_path, *directory.glob(f"{strategies.SHARDS_PREFIX}*")]:
                 path.rename(aside / path.name)
         distributed.barrier()
         return aside

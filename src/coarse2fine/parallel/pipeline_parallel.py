@@ -1,7 +1,7 @@
 """Pipeline parallelism's split of a model (params `parallel.pipeline`): which of timm's ViT or VOLO parts each
 stage holds, the model pruned to one stage's parts in place, and that stage's forward.
 
-The blocks (the parameterised members of the model's containers, coarse2fine.model_blocks.named_blocks: ViT's
+The blocks (the parameterised members of the model's containers, coarse2fine.parallel.model_blocks.named_blocks: ViT's
 blocks; VOLO's outlookers, downsample, transformers and class blocks) are dealt out in consecutive, equal runs
 (the first stages take one more when they do not divide); the stem goes with the first stage, the final norm and
 heads with the last, VOLO's position embedding with the stage of the first block after which timm adds it and
@@ -19,7 +19,7 @@ from timm.models.vision_transformer import VisionTransformer
 from timm.models.volo import VOLO
 from torch import nn
 
-from coarse2fine import model_blocks
+from coarse2fine.parallel import model_blocks
 from coarse2fine.errors import UserError
 
 VIT_STEM = ("patch_embed", "cls_token", "reg_token", "pos_embed", "norm_pre")

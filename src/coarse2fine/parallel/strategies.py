@@ -14,9 +14,9 @@ loop is the same under every strategy (torchtitan's parallelize step).
   gradients or moments). BatchNorm (teacher CNNs) is handled as under DDP: rank 0's weights and buffers at the
   start, its running statistics broadcast before every training forward, averaged at every epoch's end.
   With params `parallel.tensor` > 1 it first splits the transformer blocks over the mesh's tensor dimension
-  (coarse2fine.tensor_parallel), then shards over the data dimension only (FSDP2 + TP, "2-D"); with
+  (tensor_parallel), then shards over the data dimension only (FSDP2 + TP, "2-D"); with
   `strategy: ddp` and one data rank, TP alone, with the same DCP checkpoints and plain replica.
-- `Pipelined` (params `parallel.pipeline` > 1): each rank keeps one stage of the model (coarse2fine.pipeline_parallel),
+- `Pipelined` (params `parallel.pipeline` > 1): each rank keeps one stage of the model (pipeline_parallel),
   optionally split by TP and sharded by FSDP2 as above, and a micro-batched step runs through
   torch.distributed.pipelining's GPipe or 1F1B schedule (`forward_backward`). DCP checkpoints: every stage writes
   its own keys into one checkpoint, which loads under any layout.
@@ -38,7 +38,8 @@ from timm.utils import distribute_bn
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from coarse2fine import distributed, model_blocks
+from coarse2fine import distributed
+from coarse2fine.parallel import model_blocks
 from coarse2fine.config import Parallel
 from coarse2fine.distributed import Runtime
 from coarse2fine.files import no_space_behind, out_of_space
@@ -184,7 +185,7 @@ class FullyShard:
         module whose forward is called: the model, or a pipeline stage's forward)."""
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
-        from coarse2fine import tensor_parallel
+        from coarse2fine.parallel import tensor_parallel
 
         if self.dims.tensor > 1:
             tensor_parallel.parallelize(model, self.mesh["tensor"])
@@ -306,7 +307,7 @@ class FullyShard:
 
 
 class Pipelined(FullyShard):
-    """One pipeline stage per rank (coarse2fine.pipeline_parallel), TP and FSDP2 inside it as FullyShard does, and each
+    """One pipeline stage per rank (pipeline_parallel), TP and FSDP2 inside it as FullyShard does, and each
     micro-batched step through torch.distributed.pipelining's schedule."""
 
     def __init__(self, runtime: Runtime, param_dtype: torch.dtype | None, dims: ParallelDims, cfg: Parallel):
@@ -320,7 +321,7 @@ class Pipelined(FullyShard):
         self.micro_loss: Callable[[Any, torch.Tensor], torch.Tensor] | None = None  # the running step's
 
     def shard(self, model: nn.Module) -> None:
-        from coarse2fine import pipeline_parallel
+        from coarse2fine.parallel import pipeline_parallel
 
         self._start(model)
         self.parts = pipeline_parallel.assign(model, self.dims.pipeline)
@@ -383,7 +384,7 @@ class Pipelined(FullyShard):
         holding it, gathered there over TP and FSDP."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        from coarse2fine import pipeline_parallel
+        from coarse2fine.parallel import pipeline_parallel
 
         local = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
         for key, tensor in self.replica.state_dict().items():

@@ -17,7 +17,7 @@ not split evenly; not done.
 timm fuses the projections (ViT's `qkv`, ClassAttention's `kv`): a plain column split would give rank 0 all the
 queries and some keys. Their weight is sharded as `_StridedShard(0, split_factor=parts)` (each of the q/k/v parts
 split over the ranks, then concatenated: rank r holds q_r, k_r, v_r), the placement FSDP2 + TP uses; DCP cannot
-write it (its chunks overlap), so checkpoints gather those tensors (coarse2fine.parallel).
+write it (its chunks overlap), so checkpoints gather those tensors (strategies).
 """
 
 from __future__ import annotations

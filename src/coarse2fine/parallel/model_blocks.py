@@ -1,6 +1,6 @@
 """A model's blocks: the parameter-holding members of its own Sequential and ModuleList children, nested containers
-flattened. They are the units FSDP shards one by one (coarse2fine.parallel) and that a pipeline deals out to its
-stages (coarse2fine.pipeline_parallel); tensor parallel picks its own by class (coarse2fine.tensor_parallel)."""
+flattened. They are the units FSDP shards one by one (strategies) and that a pipeline deals out to its stages
+(pipeline_parallel); tensor parallel picks its own by class (tensor_parallel)."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from coarse2fine import cli
 from coarse2fine.config import Params
-from coarse2fine.student import StudentPaths, train_student
+from coarse2fine.stage_training import StagePaths, train_student
 
 # What this stage reads (as dvc.yaml lists it); tracked in MLflow, and a checkpoint under others is not resumed.
 PARAM_SECTIONS = (
@@ -23,7 +23,7 @@ PARAM_SECTIONS = (
 
 
 def main(params: Params, args: argparse.Namespace) -> None:
-    paths = StudentPaths(
+    paths = StagePaths(
         records=Path(args.records), token_labels=Path(args.token_labels), checkpoint_dir=Path(args.checkpoint_dir),
         model_file=Path(args.out) / "model.pt", metrics_dir=Path(args.metrics),
     )

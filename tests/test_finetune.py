@@ -14,7 +14,7 @@ from coarse2fine.config import CustomVolo, TimmModel
 from coarse2fine.data.loaders import build_loader
 from coarse2fine.errors import UserError
 from coarse2fine.evaluate import evaluate
-from coarse2fine.student import StudentPaths, train_student
+from coarse2fine.stage_training import StagePaths, train_student
 
 TINY_VOLO = CustomVolo(patch_size=4)  # stride 8: 2 x 2 tokens at 16 px, 3 x 3 at 24, 4 x 4 at 32
 
@@ -84,7 +84,7 @@ def test_pretrained_at_32_px_fine_tuned_at_48_keeps_its_accuracy(digits_records,
     )
 
     def train(stage: str, init_from: Path | None = None) -> Path:
-        paths = StudentPaths(
+        paths = StagePaths(
             records=digits_records, token_labels=tmp_path / "none", checkpoint_dir=tmp_path / f"{stage}_ckpt",
             model_file=tmp_path / stage / "model.pt", metrics_dir=tmp_path / "metrics" / stage, init_from=init_from,
         )

@@ -257,8 +257,8 @@ def test_a_failure_that_repeats_ends_the_stage_with_the_failing_rank_s_own_error
     project = Project(tmp_path / "project")
     (project.path / "data").mkdir()
     (project.path / "data/records").symlink_to(digits_records)
-    project.edit_code("stages/pretrain.py", "    paths = StudentPaths(", "    if os.environ['RANK'] == '1':\n"
-                      "        raise RuntimeError('rank 1 cannot go on')\n    paths = StudentPaths(")
+    project.edit_code("stages/pretrain.py", "    paths = StagePaths(", "    if os.environ['RANK'] == '1':\n"
+                      "        raise RuntimeError('rank 1 cannot go on')\n    paths = StagePaths(")
     project.edit_code("stages/pretrain.py", "import argparse\n", "import argparse\nimport os\n")
     # Rank 0 must get as far as the process group (no token labels to miss), where it waits for rank 1.
     project.edit_params({

@@ -1,7 +1,7 @@
-"""Training the student, for the pre-training and fine-tuning stages: the objective (token labels from the
-store, or the ground truth), the loaders, the model (fine-tuning: started from the pre-trained model file,
-its position embedding resampled; either stage: from `init_weights`, if given) and the shared Trainer; or,
-with `mode: import`, the stage's model imported from a weights file instead (coarse2fine.weights).
+"""A training stage assembled, for the teacher, pre-training and fine-tuning alike: the loaders, the seed, the model
+(from `init_weights`, or fine-tuning's pre-trained model file, its position embedding resampled), the objective
+(the student's token labels from the store, or the ground truth) and the one Trainer; or, with `mode: import`, the
+stage's model imported from a weights file and evaluated instead (coarse2fine.weights).
 """
 
 from __future__ import annotations
@@ -19,33 +19,49 @@ from coarse2fine.mesh import ParallelDims
 
 
 @dataclass(frozen=True)
-class StudentPaths:
+class StagePaths:
     records: Path
-    token_labels: Path
     checkpoint_dir: Path
     model_file: Path
     metrics_dir: Path
+    token_labels: Path | None = None  # the students' store (read only when they learn from token labels)
     init_from: Path | None = None  # fine-tuning: the pre-trained model file
 
 
+def train_teacher(params: config.Params, paths: StagePaths, param_sections: Sequence[str], script: str | Path) -> None:
+    """Train `teacher.model` on the records (from `teacher.init_weights` if given), or import `teacher.weights`."""
+    cfg = params.teacher
+    _train_stage("teacher", params, cfg, cfg.model, paths, param_sections, script)
+
+
 def train_student(
-    stage: str, params: config.Params, cfg: config.Pretrain, paths: StudentPaths, param_sections: Sequence[str],
+    stage: str, params: config.Params, cfg: config.Pretrain, paths: StagePaths, param_sections: Sequence[str],
     script: str | Path,
 ) -> None:
     """Train `params.model` under `cfg` (params.pretrain or params.finetune) and write the stage's outputs; with
     `cfg.mode` import, write them from `cfg.weights` instead."""
+    labels, objective = None, None
+    if cfg.mode == "train" and cfg.token_label.enabled:
+        num_classes = len(records.read_classes(paths.records))
+        labels = store.TokenLabelStore(
+            paths.token_labels, records=records.read_manifest(paths.records)["splits"]["train"]["images"],
+            num_classes=num_classes, records_digest=records.manifest_digest(paths.records),
+        )
+        objective = losses.TokenLabelObjective.from_params(num_classes, cfg)
+    _train_stage(stage, params, cfg, params.model, paths, param_sections, script, labels=labels, objective=objective,
+                 mix_token=cfg.token_label.mixes_tokens)
+
+
+def _train_stage(
+    stage: str, params: config.Params, cfg: config.Train, model_cfg: config.Model, paths: StagePaths,
+    param_sections: Sequence[str], script: str | Path, *, labels: store.TokenLabelStore | None = None,
+    objective: losses.TokenLabelObjective | None = None, mix_token: bool = False,
+) -> None:
     classes = records.read_classes(paths.records)
     training = cfg.mode == "train"
     # With the params: what the weights depend on. A checkpoint made from other inputs or code is not resumed.
-    data_digest = records.manifest_digest(paths.records)
-    inputs = {"data_digest": data_digest, **provenance.fingerprint(script)}
-    objective, labels = None, None
-    if training and cfg.token_label.enabled:
-        labels = store.TokenLabelStore(
-            paths.token_labels, records=records.read_manifest(paths.records)["splits"]["train"]["images"],
-            num_classes=len(classes), records_digest=data_digest,
-        )
-        objective = losses.TokenLabelObjective.from_params(len(classes), cfg)
+    inputs = {"data_digest": records.manifest_digest(paths.records), **provenance.fingerprint(script)}
+    if labels is not None:
         inputs["token_labels_digest"] = store.header_digest(paths.token_labels)
     with distributed.session(params.launch.device) as runtime:
         # The ranks of one tensor or pipeline group train on the same batches, seeded alike (coarse2fine.mesh).
@@ -62,12 +78,10 @@ def train_student(
         }
         runtime.announce(stage, cfg.precision, loader=loaders["val"].backend)
         train.seed_everything(params.seed, data_runtime)
-        model = models.build_model(
-            params.model, num_classes=len(classes), img_size=cfg.img_size, mix_token=cfg.token_label.mixes_tokens
-        )
+        model = models.build_model(model_cfg, num_classes=len(classes), img_size=cfg.img_size, mix_token=mix_token)
         if not training:
             weights.import_model(
-                stage, params, cfg, model, model_cfg=params.model, classes=classes, records_dir=paths.records,
+                stage, params, cfg, model, model_cfg=model_cfg, classes=classes, records_dir=paths.records,
                 val_loader=loaders["val"], runtime=runtime, model_file=paths.model_file, metrics_dir=paths.metrics_dir,
                 param_sections=param_sections,
             )
@@ -77,16 +91,16 @@ def train_student(
             notes += weights.start_from_weights(stage, cfg, model)
             inputs |= weights.weights_digest(cfg)
         elif paths.init_from is not None:
-            notes += models.init_from_model_file(model, params.model, paths.init_from).lines(paths.init_from)
+            notes += models.init_from_model_file(model, model_cfg, paths.init_from).lines(paths.init_from)
             inputs["init_digest"] = file_sha256(paths.init_from)
         if labels is not None:
-            grid = params.model.token_grid(cfg.img_size)
+            grid = model_cfg.token_grid(cfg.img_size)
             notes.append(f"token labels: the teacher's {labels.grid}x{labels.grid} score maps -> {grid}x{grid} token targets")
         if runtime.is_main:
             for note in notes:
                 print(f"{stage}: {note}", flush=True)
         train.Trainer(
-            stage=stage, params=params, cfg=cfg, model=model, classes=classes,
+            stage=stage, params=params, cfg=cfg, model=model, classes=classes, model_cfg=model_cfg,
             train_loader=loaders["train"], val_loader=loaders["val"], runtime=runtime,
             param_sections=param_sections, provenance=inputs, records_dir=paths.records,
             checkpoint_dir=paths.checkpoint_dir, model_file=paths.model_file, metrics_dir=paths.metrics_dir,

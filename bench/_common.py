@@ -40,7 +40,7 @@ from coarse2fine.data.convert import convert
 from coarse2fine.data.sources import write_digits
 from coarse2fine.distributed import Runtime
 from coarse2fine.labels.store import TokenLabelStore, write_store
-from coarse2fine.train import Trainer
+from coarse2fine.train import StagePaths, Trainer
 
 PHOTO_SIZE = (500, 375)  # width, height: a typical ImageNet / Pascal VOC photo
 JPEG_QUALITY = 90
@@ -293,8 +293,7 @@ def bench_trainer(
     return Trainer(
         stage="bench", params=params, cfg=params.pretrain, model=model, classes=[str(i) for i in range(num_classes)],
         train_loader=train_loader, val_loader=val_loader, runtime=runtime, param_sections=("pretrain",),
-        provenance={"data_digest": "random"}, checkpoint_dir=scratch / "ckpt", model_file=scratch / "model.pt",
-        metrics_dir=scratch / "metrics", objective=objective,
+        provenance={"data_digest": "random"}, paths=StagePaths.under(scratch), objective=objective,
     )
 
 

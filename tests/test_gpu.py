@@ -76,8 +76,7 @@ def test_a_bf16_token_label_step_on_the_gpu(digits_records, tmp_path):
     trainer = train.Trainer(
         stage="pretrain", params=params, cfg=params.pretrain, model=model, classes=[str(i) for i in range(10)],
         train_loader=loader, val_loader=dali_loader(digits_records, "val"), runtime=gpu_runtime(),
-        param_sections=("pretrain",), provenance={}, checkpoint_dir=tmp_path / "ckpt",
-        model_file=tmp_path / "model.pt", metrics_dir=tmp_path / "metrics",
+        param_sections=("pretrain",), provenance={}, paths=train.StagePaths.under(tmp_path),
         objective=losses.TokenLabelObjective.from_params(10, params.pretrain),  # the defaults' targets
     )
     assert trainer.optimizer.defaults.get("fused") is True

@@ -36,8 +36,7 @@ def ground_truth_trainer(tmp_path: Path, runtime: Runtime | None = None, **pretr
     return train.Trainer(
         stage="pretrain", params=params, cfg=params.pretrain, model=model, classes=[str(i) for i in range(NUM_CLASSES)],
         train_loader=loader, val_loader=loader, runtime=runtime or cpu_runtime(), param_sections=("pretrain",),
-        provenance={}, checkpoint_dir=tmp_path / "ckpt", model_file=tmp_path / "model.pt",
-        metrics_dir=tmp_path / "metrics",
+        provenance={}, paths=train.StagePaths.under(tmp_path),
     )
 
 

@@ -79,8 +79,7 @@ def first_step_loss(model: torch.nn.Module, batch: dict, tmp_path: Path) -> floa
     trainer = train.Trainer(
         stage="pretrain", params=params, cfg=params.pretrain, model=model, classes=[str(c) for c in range(CLASSES)],
         train_loader=ListLoader([batch]), val_loader=ListLoader([batch]), runtime=cpu_runtime(),
-        param_sections=("model", "pretrain"), provenance={}, checkpoint_dir=tmp_path / "ckpt",
-        model_file=tmp_path / "model.pt", metrics_dir=tmp_path / "metrics",
+        param_sections=("model", "pretrain"), provenance={}, paths=train.StagePaths.under(tmp_path),
     )
     return float(trainer.backward({key: value.clone() for key, value in batch.items()}, micro_steps=1, sync=True))
 

@@ -192,7 +192,7 @@ def build_trainer(params, stage: str, model, img_size: int, tmp_path: Path) -> t
     trainer = train.Trainer(
         stage=stage, params=params, cfg=cfg, model=model, classes=[str(c) for c in range(CLASSES)],
         train_loader=loader, val_loader=loader, runtime=cpu_runtime(), param_sections=("model", stage), provenance={},
-        checkpoint_dir=tmp_path / "ckpt", model_file=tmp_path / "model.pt", metrics_dir=tmp_path / "metrics",
+        paths=train.StagePaths.under(tmp_path),
         objective=objective,
     )
     assert type(trainer.optimizer).__name__.lower() == cfg.optimizer.name

@@ -314,8 +314,7 @@ def _fit(runtime, layout: str, cfg: Parallel, out: Path) -> None:
                 stage="pretrain", params=params, cfg=params.pretrain, model=model, classes=[str(i) for i in range(10)],
                 train_loader=ListLoader(batches), val_loader=ListLoader(batches), runtime=runtime,
                 param_sections=("pretrain",), provenance={"data_digest": "random"},
-                checkpoint_dir=out / layout / "ckpt", model_file=out / layout / "model.pt",
-                metrics_dir=out / layout / "metrics",
+                paths=train.StagePaths.under(out / layout),
                 objective=losses.TokenLabelObjective.from_params(10, params.pretrain),  # the defaults' targets
             )
         if fused:  # SGD: the plain tensors' groups fused, not the DTensors' (torch has no fused SGD for them)

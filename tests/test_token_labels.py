@@ -352,8 +352,7 @@ def test_training_on_token_labels_teaches_each_token_the_class_under_it_in_the_c
     trainer = train.Trainer(
         stage="pretrain", params=params, cfg=params.pretrain, model=models.build_model(params.model, 4, 32),
         classes=list("abcd"), train_loader=[batch], val_loader=[batch], runtime=cpu_runtime(),
-        param_sections=("pretrain",), provenance={}, checkpoint_dir=tmp_path / "ckpt",
-        model_file=tmp_path / "model.pt", metrics_dir=tmp_path / "metrics",
+        param_sections=("pretrain",), provenance={}, paths=train.StagePaths.under(tmp_path),
         objective=losses.TokenLabelObjective(4, label_smoothing=params.pretrain.token_label.label_smoothing),
     )
     for _ in range(updates):
@@ -403,8 +402,7 @@ def test_trainer_learns_digits_from_token_labels_with_mix_token(digits_records, 
     metrics = train.Trainer(
         stage="pretrain", params=params, cfg=params.pretrain, model=model, classes=records.read_classes(digits_records),
         train_loader=loaders[0], val_loader=loaders[1], runtime=runtime, param_sections=("pretrain",),
-        provenance={"data_digest": "digits"}, checkpoint_dir=tmp_path / "ckpt", model_file=tmp_path / "model.pt",
-        metrics_dir=tmp_path / "metrics",
+        provenance={"data_digest": "digits"}, paths=train.StagePaths.under(tmp_path),
         objective=losses.TokenLabelObjective(10, label_smoothing=params.pretrain.token_label.label_smoothing),
     ).fit()
     # Measured 86 % (20 epochs reach 96 %). Chance is 10 %.
@@ -461,8 +459,8 @@ def train_photo_teacher(root: Path, epochs: int) -> tuple[Path, Params, torch.nn
     top1 = train.Trainer(
         stage="teacher", params=params, cfg=params.teacher, model=teacher, classes=records.read_classes(records_dir),
         model_cfg=params.teacher.model, train_loader=loaders[0], val_loader=loaders[1], runtime=runtime,
-        param_sections=("teacher",), provenance={}, checkpoint_dir=root / "ckpt", model_file=root / "teacher.pt",
-        metrics_dir=root / "metrics",
+        param_sections=("teacher",), provenance={},
+        paths=train.StagePaths(root / "ckpt", root / "teacher.pt", root / "metrics"),
     ).fit()["val_top1"]
     teacher.eval()
     head = dense_head(teacher)
@@ -489,8 +487,7 @@ def photo_student_top1(records_dir: Path, store: Path | None, token_label: dict,
     return train.Trainer(
         stage="pretrain", params=params, cfg=params.pretrain, model=model,
         classes=records.read_classes(records_dir), train_loader=loaders[0], val_loader=loaders[1],
-        runtime=runtime, param_sections=("pretrain",), provenance={}, checkpoint_dir=run_dir / "ckpt",
-        model_file=run_dir / "model.pt", metrics_dir=run_dir / "metrics",
+        runtime=runtime, param_sections=("pretrain",), provenance={}, paths=train.StagePaths.under(run_dir),
         objective=None if labels is None else losses.TokenLabelObjective.from_params(PHOTO_CLASSES, params.pretrain),
     ).fit()["val_top1"]
 

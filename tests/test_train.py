@@ -59,7 +59,7 @@ def make_trainer(
         train_loader=loader, val_loader=loader, runtime=runtime or cpu_runtime(),
         param_sections=("seed", "model", "pretrain", "loader.backend"),  # pretrain's, less augment
         provenance=provenance or {"data_digest": "digits", "code": "abc"},
-        checkpoint_dir=tmp_path / "ckpt", model_file=tmp_path / "model" / "model.pt", metrics_dir=tmp_path / "metrics",
+        paths=train.StagePaths(tmp_path / "ckpt", tmp_path / "model" / "model.pt", tmp_path / "metrics"),
     )
 
 
@@ -130,8 +130,7 @@ def test_a_peak_lr_below_min_lr_is_refused_at_the_world_size_launched(tmp_path):
         train.Trainer(
             stage="pretrain", params=params, cfg=params.pretrain, model=model, classes=[str(i) for i in range(NUM_CLASSES)],
             train_loader=ListLoader([None]), val_loader=ListLoader([None]), runtime=cpu_runtime(),
-            param_sections=("pretrain",), provenance={}, checkpoint_dir=tmp_path / "ckpt", model_file=tmp_path / "model.pt",
-            metrics_dir=tmp_path / "metrics",
+            param_sections=("pretrain",), provenance={}, paths=train.StagePaths.under(tmp_path),
         )
 
 
@@ -538,7 +537,7 @@ def _rank_main(records_dir: str, out_dir: str, variant: str) -> None:
             stage="pretrain", params=params, cfg=params.pretrain, model=model,
             classes=records.read_classes(records_dir), train_loader=loaders[0], val_loader=loaders[1],
             runtime=runtime, param_sections=("pretrain",), provenance={"data_digest": "digits"},
-            checkpoint_dir=out / "ckpt", model_file=out / "model.pt", metrics_dir=out / "metrics",
+            paths=train.StagePaths.under(out),
         )
         trainer.fit()
         torch.save(trainer.eval_model.state_dict(), out / f"rank{runtime.rank}.pt")

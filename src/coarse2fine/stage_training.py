@@ -6,7 +6,6 @@ stage's model imported from a weights file and evaluated instead (coarse2fine.we
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -18,24 +17,14 @@ from coarse2fine.labels import store
 from coarse2fine.mesh import ParallelDims
 
 
-@dataclass(frozen=True)
-class StagePaths:
-    records: Path
-    checkpoint_dir: Path
-    model_file: Path
-    metrics_dir: Path
-    token_labels: Path | None = None  # the students' store (read only when they learn from token labels)
-    init_from: Path | None = None  # fine-tuning: the pre-trained model file
-
-
-def train_teacher(params: config.Params, paths: StagePaths, param_sections: Sequence[str], script: str | Path) -> None:
+def train_teacher(params: config.Params, paths: train.StagePaths, param_sections: Sequence[str], script: str | Path) -> None:
     """Train `teacher.model` on the records (from `teacher.init_weights` if given), or import `teacher.weights`."""
     cfg = params.teacher
     _train_stage("teacher", params, cfg, cfg.model, paths, param_sections, script)
 
 
 def train_student(
-    stage: str, params: config.Params, cfg: config.Pretrain, paths: StagePaths, param_sections: Sequence[str],
+    stage: str, params: config.Params, cfg: config.Pretrain, paths: train.StagePaths, param_sections: Sequence[str],
     script: str | Path,
 ) -> None:
     """Train `params.model` under `cfg` (params.pretrain or params.finetune) and write the stage's outputs; with
@@ -53,7 +42,7 @@ def train_student(
 
 
 def _train_stage(
-    stage: str, params: config.Params, cfg: config.Train, model_cfg: config.Model, paths: StagePaths,
+    stage: str, params: config.Params, cfg: config.Train, model_cfg: config.Model, paths: train.StagePaths,
     param_sections: Sequence[str], script: str | Path, *, labels: store.TokenLabelStore | None = None,
     objective: losses.TokenLabelObjective | None = None, mix_token: bool = False,
 ) -> None:
@@ -102,7 +91,5 @@ def _train_stage(
         train.Trainer(
             stage=stage, params=params, cfg=cfg, model=model, classes=classes, model_cfg=model_cfg,
             train_loader=loaders["train"], val_loader=loaders["val"], runtime=runtime,
-            param_sections=param_sections, provenance=inputs, records_dir=paths.records,
-            checkpoint_dir=paths.checkpoint_dir, model_file=paths.model_file, metrics_dir=paths.metrics_dir,
-            objective=objective,
+            param_sections=param_sections, provenance=inputs, paths=paths, objective=objective,
         ).fit()

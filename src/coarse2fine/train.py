@@ -9,7 +9,7 @@ an update, from which a resumed run continues the epoch's sample stream (the loa
 The objective (losses.py) is given by the stage: label-smoothed cross-entropy on the ground truth by default,
 or token labeling (with MixToken when the model was built with it).
 
-Checkpoint (`<checkpoint_dir>/last.pt`, rewritten atomically after every epoch and inside one when due, loadable
+Checkpoint (`<paths.checkpoint_dir>/last.pt`, rewritten atomically after every epoch and inside one when due, loadable
 with `torch.load(weights_only=True)`; deleted once the stage's outputs are written, see below):
 
     epoch      epochs completed = the next epoch to run; with `within_epoch`, the loaders' whole state, since their
@@ -239,6 +239,24 @@ class EpochProgress:
         return cls(**{**state, "loss_sum": state["loss_sum"].to(device), "objective": objective})
 
 
+@dataclass(frozen=True)
+class StagePaths:
+    """Where a training stage reads and writes: the Trainer's checkpoint directory, model file and metrics; the
+    records its loaders read (None: synthetic batches, in tests), and what the stage assembly reads besides."""
+
+    checkpoint_dir: Path
+    model_file: Path
+    metrics_dir: Path
+    records: Path | None = None  # logged as the run's dataset inputs and artifacts
+    token_labels: Path | None = None  # the students' store (read only when they learn from token labels)
+    init_from: Path | None = None  # fine-tuning: the pre-trained model file
+
+    @classmethod
+    def under(cls, directory: Path, records: Path | None = None) -> StagePaths:
+        """`directory`/ckpt, /model.pt and /metrics."""
+        return cls(directory / "ckpt", directory / "model.pt", directory / "metrics", records)
+
+
 class Trainer:
     """`Trainer(...).fit()` trains `model` for `cfg.total_epochs`, resuming from the checkpoint if there is one.
 
@@ -258,21 +276,18 @@ class Trainer:
         runtime: Runtime,
         param_sections: Sequence[str],
         provenance: Mapping[str, str],
-        checkpoint_dir: Path,
-        model_file: Path,
-        metrics_dir: Path,
+        paths: StagePaths,
         objective: Objective | None = None,
         model_cfg: config.Model | None = None,
-        records_dir: Path | None = None,
     ):
         self.stage, self.params, self.cfg, self.runtime = stage, params, cfg, runtime
         self.classes = list(classes)
         self.train_loader, self.val_loader = train_loader, val_loader
         self.param_sections = tuple(param_sections)
-        self.checkpoint_path = Path(checkpoint_dir) / CHECKPOINT_FILE
-        self.model_file, self.metrics_dir = Path(model_file), Path(metrics_dir)
+        self.checkpoint_path = Path(paths.checkpoint_dir) / CHECKPOINT_FILE
+        self.model_file, self.metrics_dir = Path(paths.model_file), Path(paths.metrics_dir)
         # The records the loaders read, for the run's dataset inputs and artifacts; None: synthetic batches (tests).
-        self.records_dir = records_dir
+        self.records_dir = paths.records
         self.model_cfg = model_cfg or params.model  # what the model file records as the architecture
 
         self.autocast_dtype = runtime.autocast_dtype(cfg.precision)

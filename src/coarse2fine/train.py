@@ -381,7 +381,7 @@ class Trainer:
                 tracker.log_artifact(self.records_dir / name)
         if self.runtime.is_main:  # the outputs are written: DVC's cache keeps the result from here on
             self.checkpoint_path.unlink(missing_ok=True)
-            for shards in self.checkpoint_path.parent.glob(f"{strategies.SHARDS_PREFIX}*"):
+            for shards in strategies.shard_directories(self.checkpoint_path.parent):
                 shutil.rmtree(shards)
             with contextlib.suppress(OSError):  # the dir, if nothing else is in it
                 self.checkpoint_path.parent.rmdir()
@@ -631,7 +631,7 @@ class Trainer:
         distributed.barrier()
         if self.runtime.is_main:
             aside.mkdir(parents=True, exist_ok=True)
-            for path in [self.checkpoint_path, *directory.glob(f"{strategies.SHARDS_PREFIX}*")]:
+            for path in [self.checkpoint_path, *strategies.shard_directories(directory)]:
                 path.rename(aside / path.name)
         distributed.barrier()
         return aside

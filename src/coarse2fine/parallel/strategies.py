@@ -100,6 +100,11 @@ class Parallelism(Protocol):
         ...
 
 
+def shard_directories(checkpoint_dir: Path) -> list[Path]:
+    """The DCP shards the sharded strategies wrote beside a checkpoint file: with it, they are the checkpoint."""
+    return sorted(checkpoint_dir.glob(f"{SHARDS_PREFIX}*"))
+
+
 def build(cfg: Parallel, runtime: Runtime, param_dtype: torch.dtype | None) -> Parallelism:
     dims = ParallelDims.of_run(cfg, runtime.world_size)
     if dims.pipeline > 1:

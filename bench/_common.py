@@ -242,11 +242,18 @@ def add_threads_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def add_tiny_argument(parser: argparse.ArgumentParser, sizes: str) -> None:
+    """--tiny, and --results (write_results: a tiny run writes no dated report unless given a folder)."""
     parser.add_argument(
         "--tiny", action="store_true",
         help="a smoke test of the bench itself (tests/test_benches.py): the same code path at the smallest sizes, "
         f"figures that measure nothing: {sizes} (options given on the command line win)",
     )
+    add_results_argument(parser)
+
+
+def add_results_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--results", type=Path, default=None, metavar="DIR",
+                        help="write the dated report here (default: bench/results; none with --tiny)")
 
 
 def tiny_sizes(parser: argparse.ArgumentParser, args: argparse.Namespace, **sizes: object) -> None:
@@ -268,10 +275,12 @@ def plain_options(args: argparse.Namespace) -> dict:
 
 
 def write_json(args: argparse.Namespace, text: str, raw: dict) -> None:
-    """The report, the options and the raw numbers, to --json PATH if given."""
+    """The report, the options and the raw numbers: to --json PATH if given, and as the bench's dated result file
+    (write_results, its topic the bench's name)."""
     if args.json is not None:
         report = {"report": text, "args": plain_options(args), **raw}
         args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    write_results(args, Path(sys.argv[0]).stem, text, raw)
 
 
 def random_store(directory: Path, records: int, *, num_classes: int, top_k: int, grid: int, seed: int) -> TokenLabelStore:
@@ -329,7 +338,8 @@ def machine_slug() -> str:
 
 def write_results(args: argparse.Namespace, topic: str, text: str, raw: dict) -> Path | None:
     """The report as `<results>/<topic>_<machine>_<date>.md` and the raw numbers beside it as .json (`args.results`,
-    default bench/results; nothing with --tiny unless --results is given): the docs quote these files."""
+    default bench/results; nothing with --tiny unless --results is given): the docs quote these files. A second
+    run on the same day and machine replaces the first's."""
     folder = args.results if args.results is not None else None if args.tiny else RESULTS_DIR
     if folder is None:
         return None

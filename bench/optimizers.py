@@ -49,7 +49,8 @@ from pathlib import Path
 import yaml
 
 from _common import (
-    TINY_DIGITS, ProjectCopy, header_line, markdown_table, project_copy, read_column, workspace, write_json
+    TINY_DIGITS, ProjectCopy, add_results_argument, header_line, markdown_table, project_copy, read_column, workspace,
+    write_json,
 )
 
 OPTIMIZERS = {"adamw": "AdamW", "lamb": "LAMB", "kron": "PSGD Kron"}  # optimizer.name -> the table's name
@@ -76,6 +77,7 @@ def parse_args() -> argparse.Namespace:
                         help=f"pretrain.accum_steps (default: {BATCH['accum_steps']}; --tiny: 2)")
     parser.add_argument("--tiny", action="store_true",
                         help="a smoke test: a tenth of the digits, 1 epoch, batch 16 x 2, one lr_base")
+    add_results_argument(parser)
     parser.add_argument("--workdir", type=Path, metavar="DIR",
                         help="keep the project copy and runs here (default: a temp dir)")
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write the report and every run's numbers here")

@@ -54,8 +54,8 @@ import time
 from pathlib import Path
 
 from _common import (
-    PROJECT_ROOT, ProjectCopy, digits_tree, goal, header_line, markdown_table, read_column, read_metric, workspace,
-    write_json,
+    PROJECT_ROOT, ProjectCopy, add_results_argument, digits_tree, goal, header_line, markdown_table, read_column,
+    read_metric, workspace, write_json,
 )
 from coarse2fine.config import load_params
 
@@ -92,6 +92,7 @@ def parse_args() -> argparse.Namespace:
                         help="a timm source checkout (the directory holding train.py and timm/); required unless --tiny")
     parser.add_argument("--tiny", action="store_true",
                         help="a smoke test: 16 + 4 digits per class, 1 epoch, 1 run per row (figures measure nothing)")
+    add_results_argument(parser)
     parser.add_argument("--epochs", type=int, metavar="N", help=f"epochs for both tools (default: {EPOCHS}; --tiny: 1)")
     parser.add_argument("--repeats", type=int, metavar="N",
                         help=f"runs per row, alternating (default: {REPEATS}; --tiny: 1)")

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from _common import (
     NEAR_EMPTY, ProjectCopy, add_tiny_argument, header_line, markdown_table, merge_params, project_copy, workspace,
-    write_json, write_results,
+    write_json,
 )
 
 STUDENTS = ("pretrain", "finetune")
@@ -70,8 +70,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the report and numbers here")
     parser.add_argument("--report-from", type=Path, nargs="+", default=None, metavar="JSON",
                         help="train nothing: the report of earlier runs' --json files (e.g. one process per seed)")
-    parser.add_argument("--results", type=Path, default=None, metavar="DIR",
-                        help="write the dated report here (default: bench/results, none with --tiny)")
     add_tiny_argument(parser, "bench/startup.py's near-empty copy (data.subset 0.1, 1 epoch per training stage), "
                               "teacher epochs 1, one seed")
     args = parser.parse_args()
@@ -93,7 +91,6 @@ def main() -> None:
     text = "\n".join([header_line(), "", report(runs, args)])
     print(text)
     write_json(args, text, {"runs": runs})
-    write_results(args, "teacher_quality", text, {"runs": runs})
 
 
 def train_arms(args: argparse.Namespace) -> list[dict]:

@@ -261,7 +261,8 @@ def worker(name: str) -> Callable[[Check, Path], list[str]]:
 def gpu_step_command(check: Check, results: Path) -> list[str]:
     sizes = (["--device", "cpu", "--precision", "fp32", "--model", "volo_custom", "--img-size", "32", "--batch", "2",
               "--steps", "1", "--repeats", "1"] if check.dry_run else ["--compile", "--steps", "20", "--repeats", "2"])
-    return [sys.executable, "bench/gpu_step.py", *sizes, "--json", str(results)]
+    # Its figures go into this report: its own dated report into the scratch folder, not the checkout's bench/results.
+    return [sys.executable, "bench/gpu_step.py", *sizes, "--json", str(results), "--results", str(check.work)]
 
 
 def timm_gpu_step_command(check: Check, results: Path) -> list[str]:

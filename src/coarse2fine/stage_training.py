@@ -17,7 +17,9 @@ from coarse2fine.labels import store
 from coarse2fine.mesh import ParallelDims
 
 
-def train_teacher(params: config.Params, paths: train.StagePaths, param_sections: Sequence[str], script: str | Path) -> None:
+def train_teacher(
+    params: config.Params, paths: train.StagePaths, param_sections: Sequence[str], script: str | Path
+) -> None:
     """Train `teacher.model` on the records (from `teacher.init_weights` if given), or import `teacher.weights`."""
     cfg = params.teacher
     _train_stage("teacher", params, cfg, cfg.model, paths, param_sections, script)
@@ -84,7 +86,9 @@ def _train_stage(
             inputs["init_digest"] = file_sha256(paths.init_from)
         if labels is not None:
             grid = model_cfg.token_grid(cfg.img_size)
-            notes.append(f"token labels: the teacher's {labels.grid}x{labels.grid} score maps -> {grid}x{grid} token targets")
+            notes.append(
+                f"token labels: the teacher's {labels.grid}x{labels.grid} score maps -> {grid}x{grid} token targets"
+            )
         if runtime.is_main:
             for note in notes:
                 print(f"{stage}: {note}", flush=True)

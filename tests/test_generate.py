@@ -7,7 +7,6 @@ import itertools
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
-from conftest import DIGITS_PIPELINE, LOADER_GRAPHS, cpu_runtime, make_params, merge
+from conftest import DIGITS_PIPELINE, LOADER_GRAPHS, cpu_runtime, launch_command, make_params, merge
 from PIL import Image
 
 from coarse2fine import models
@@ -346,12 +345,11 @@ def run_token_labels_stage(tmp_path: Path, records_dir: Path, teacher_file: Path
     params = merge(yaml.safe_load((ROOT / "params.yaml").read_text()), DIGITS_PIPELINE)
     params["token_labels"]["batch_size"] = 16
     (out / "params.yaml").write_text(yaml.safe_dump(params))
-    command = [
-        sys.executable, "-m", "coarse2fine.launch", "--standalone", f"--nproc_per_node={nproc}",
-        str(ROOT / "stages/token_labels.py"), "--params", str(out / "params.yaml"), "--records", str(records_dir),
-        "--teacher", str(teacher_file), "--out", str(out / "labels"), "--work-dir", str(out / "partial"),
-        "--metrics", str(out / "metrics"),
-    ]
+    command = launch_command(
+        ROOT / "stages/token_labels.py", "--params", out / "params.yaml", "--records", records_dir,
+        "--teacher", teacher_file, "--out", out / "labels", "--work-dir", out / "partial", "--metrics", out / "metrics",
+        nproc=nproc,
+    )
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{out / 'mlflow.db'}", "MLFLOW_DISABLE_TELEMETRY": "true"}
     run = subprocess.run(command, cwd=out, env=env, check=True, capture_output=True, text=True, timeout=300)
     return out, run.stdout + run.stderr

@@ -6,14 +6,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import DIGITS_PIPELINE, cpu_runtime, make_params, merge
+from conftest import DIGITS_PIPELINE, cpu_runtime, launch_command, make_params, merge
 from torchvision.ops import roi_align
 
 from coarse2fine.config import ParamsError
@@ -229,12 +228,11 @@ def test_the_stage_imports_on_two_ranks_without_a_teacher(digits_records, refere
     params = merge(yaml.safe_load((ROOT / "params.yaml").read_text()), DIGITS_PIPELINE)
     params["token_labels"].update(mode="import", import_dir=str(import_dir))
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
-    command = [
-        sys.executable, "-m", "coarse2fine.launch", "--standalone", "--nproc_per_node=2",
-        str(ROOT / "stages/token_labels.py"), "--params", str(tmp_path / "params.yaml"),
-        "--records", str(digits_records), "--teacher", str(tmp_path / "no_teacher.pt"), "--out", str(tmp_path / "labels"),
-        "--work-dir", str(tmp_path / "partial"), "--metrics", str(tmp_path / "metrics"),
-    ]
+    command = launch_command(
+        ROOT / "stages/token_labels.py", "--params", tmp_path / "params.yaml", "--records", digits_records,
+        "--teacher", tmp_path / "no_teacher.pt", "--out", tmp_path / "labels", "--work-dir", tmp_path / "partial",
+        "--metrics", tmp_path / "metrics", nproc=2,
+    )
     tracking = {"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}", "MLFLOW_DISABLE_TELEMETRY": "true"}
     env = {**os.environ, **tracking}
     run = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)

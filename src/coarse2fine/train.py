@@ -1,7 +1,7 @@
 """The one training loop, shared by every training stage (the teacher, pre-training and fine-tuning).
 
 Per optimizer update: `accum_steps` micro-batches through DDP, FSDP2, tensor or pipeline parallelism
-(coarse2fine.parallel.strategies: a component built from params; gradients reduced only on the last micro-batch),
+(coarse2fine.parallel: a component built from params; gradients reduced only on the last micro-batch),
 optional clipping, the optimizer step, the per-update LR schedule and the EMA. Per epoch: validation,
 metrics, and a checkpoint that makes a killed run resumable with bit-identical results on CPU; inside an epoch,
 a checkpoint every `checkpoint.every_minutes` or `checkpoint.every_updates` (params; `CheckpointSchedule`), after
@@ -9,7 +9,7 @@ an update, from which a resumed run continues the epoch's sample stream (the loa
 The objective (losses.py) is given by the stage: label-smoothed cross-entropy on the ground truth by default,
 or token labeling (with MixToken when the model was built with it).
 
-Checkpoint (`<paths.checkpoint_dir>/last.pt`, rewritten atomically after every epoch and inside one when due, loadable
+Checkpoint (`<checkpoint_dir>/last.pt`, rewritten atomically after every epoch and inside one when due, loadable
 with `torch.load(weights_only=True)`; deleted once the stage's outputs are written, see below):
 
     epoch      epochs completed = the next epoch to run; with `within_epoch`, the loaders' whole state, since their
@@ -20,7 +20,7 @@ with `torch.load(weights_only=True)`; deleted once the stage's outputs are writt
                and under `ranks` every rank's, which each resumes
     updates    optimizer updates so far (the scheduler's and the EMA's clock)
     model, optimizer, scheduler, scaler, ema    state dicts (ema: None when off); under FSDP `sharded` instead
-               of model and optimizer: the DCP directory beside the file holding them (coarse2fine.parallel.strategies)
+               of model and optimizer: the DCP directory beside the file holding them (coarse2fine.parallel)
     rng        one entry per rank: torch / numpy / random (/ cuda) generator states
     run_id     the MLflow run, reopened on resume
     history    every finished epoch's metrics: a resumed run rebuilds its DVCLive curves from them (DVC deletes
@@ -59,13 +59,13 @@ from timm.utils import ModelEmaV3
 from torch import nn
 
 from coarse2fine import config, distributed, losses, models
-from coarse2fine.parallel import strategies
 from coarse2fine.data import records
 from coarse2fine.data.transforms import eval_transform
 from coarse2fine.distributed import Runtime
 from coarse2fine.errors import UserError
 from coarse2fine.evaluate import evaluate
 from coarse2fine.labels.targets import moved_among
+from coarse2fine.parallel import strategies
 from coarse2fine.progress import progress
 from coarse2fine.tracking.identity import stage_params
 
@@ -284,8 +284,8 @@ class Trainer:
         self.classes = list(classes)
         self.train_loader, self.val_loader = train_loader, val_loader
         self.param_sections = tuple(param_sections)
-        self.checkpoint_path = Path(paths.checkpoint_dir) / CHECKPOINT_FILE
-        self.model_file, self.metrics_dir = Path(paths.model_file), Path(paths.metrics_dir)
+        self.checkpoint_path = paths.checkpoint_dir / CHECKPOINT_FILE
+        self.model_file, self.metrics_dir = paths.model_file, paths.metrics_dir
         # The records the loaders read, for the run's dataset inputs and artifacts; None: synthetic batches (tests).
         self.records_dir = paths.records
         self.model_cfg = model_cfg or params.model  # what the model file records as the architecture

@@ -39,11 +39,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from coarse2fine import distributed
-from coarse2fine.parallel import model_blocks
 from coarse2fine.config import Parallel
 from coarse2fine.distributed import Runtime
 from coarse2fine.files import no_space_behind, out_of_space
 from coarse2fine.mesh import ParallelDims
+from coarse2fine.parallel import model_blocks
 
 # torch.save's zip writer when a file took fewer bytes than it wrote (a full disk, a quota, a file-size limit).
 SHORT_WRITE = "unexpected pos"

@@ -186,3 +186,15 @@ def test_the_server_finds_what_the_callers_pythonpath_finds_and_starts_without_w
     monkeypatch.setenv("SERVER_MARKER", str(marker))
     with running_stage_server():  # raises if the server did not start
         assert marker.is_file(), "the server did not see the caller's PYTHONPATH"
+
+
+@pytest.mark.slow
+def test_a_stage_launched_while_the_server_still_imports_waits_for_it_and_runs_there(tmp_path):
+    """The server listens before it imports (the session's own is used that way): a launcher that connects during
+    the imports queues at the socket, and its stage runs in a copy with everything imported, not in the launcher."""
+    with running_stage_server(preloaded=False) as address:
+        launcher = launch(tmp_path, "--params", "params.yaml", env={SERVER_ENV: str(address)})
+        stdout, stderr = launcher.communicate(timeout=120)
+    seen = json.loads(stdout.splitlines()[-1])
+    assert launcher.returncode == 3 and stderr == "to stderr\n", stderr  # no "no stage server answers"
+    assert seen["pid"] != launcher.pid and seen["preloaded"] is True

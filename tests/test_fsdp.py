@@ -26,7 +26,7 @@ from coarse2fine import distributed, models, train
 from coarse2fine.parallel import model_blocks, strategies
 from coarse2fine.config import CustomVolo, TimmModel
 from conftest import PROJECT_ROOT, launch_command, make_params, torchrun_command
-from test_scale_out import finish, outcome, start_stage
+from test_scale_out import SGD, finish, one_node_two_ranks, outcome, start_stage  # one_node_two_ranks: a fixture
 
 GLOBAL_BATCH = 8
 
@@ -52,26 +52,18 @@ def test_fsdp_refuses_what_it_cannot_shard():
 
 # ------------------------------------------------------------------------------------------ real runs (slow)
 
-# Two micro-batches an update: the comparison with DDP also covers each strategy's no-sync accumulation.
-SGD = {"optimizer": {"name": "sgd", "momentum": 0.9, "lr_base": 0.4}, "accum_steps": 2}
-
-
-def run_pretrain(out: Path, records: Path, strategy: str) -> Path:
-    finish(start_stage(out, records, {"nproc_per_node": 2}, {"parallel": {"strategy": strategy}, "pretrain": SGD}))
+@pytest.fixture(scope="module")
+def fsdp_run(digits_records, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("fsdp")
+    finish(start_stage(out, digits_records, {"nproc_per_node": 2}, {"parallel": {"strategy": "fsdp"}, "pretrain": SGD}))
     return out
 
 
-@pytest.fixture(scope="module")
-def fsdp_run(digits_records, tmp_path_factory) -> Path:
-    return run_pretrain(tmp_path_factory.mktemp("fsdp"), digits_records, "fsdp")
-
-
 @pytest.mark.slow
-def test_fsdp_trains_the_pretrain_stage_as_ddp_does(fsdp_run, digits_records, tmp_path):
-    """SGD, so that float noise in the reduction order is not amplified the way Adam's first steps amplify the
-    near-zero gradients (both strategies agree to 1e-7 on the gradients; AdamW turns that into 1e-3 on a few
-    weights whose gradient is noise)."""
-    (ddp_weights, ddp_metrics) = outcome(run_pretrain(tmp_path / "ddp", digits_records, "ddp"))
+def test_fsdp_trains_the_pretrain_stage_as_ddp_does(fsdp_run, one_node_two_ranks, digits_records, tmp_path):
+    """Against test_scale_out's DDP reference, with the same SGD (both strategies agree to 1e-7 on the gradients;
+    AdamW would turn that into 1e-3 on a few weights whose gradient is noise)."""
+    (ddp_weights, ddp_metrics) = outcome(one_node_two_ranks)
     (fsdp_weights, fsdp_metrics) = outcome(fsdp_run)
     assert ddp_weights.keys() == fsdp_weights.keys()  # a plain state dict: no FSDP or DTensor names
     torch.testing.assert_close(fsdp_weights, ddp_weights, rtol=0, atol=1e-5)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import shutil
 import signal
 import socket
 import subprocess
@@ -14,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import filelock
 import numpy as np
 import psutil
 import pytest
@@ -198,19 +200,33 @@ def outcome(out: Path) -> tuple[dict, dict]:
     return weights, {key: value for key, value in metrics.items() if key not in TIMING_METRICS}
 
 
-@pytest.fixture(scope="module")
+# The reference layout's optimizer: SGD with momentum, two micro-batches an update (each strategy's no-sync
+# accumulation is covered too). SGD, so that float noise in the reduction order is not amplified the way Adam's
+# first steps amplify near-zero gradients: FSDP's comparison with DDP (test_fsdp.py) holds to 1e-5.
+SGD = {"optimizer": {"name": "sgd", "momentum": 0.9, "lr_base": 0.4}, "accum_steps": 2}
+
+
+@pytest.fixture(scope="session")
 def one_node_two_ranks(digits_records, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("one_node")
-    finish(start_stage(out, digits_records, {"nproc_per_node": 2}))
+    """pretrain on one node with two DDP ranks (SGD): the result every other layout must reach, here and in
+    test_fsdp.py. Run once per session, whichever xdist worker asks first (the others wait for its file lock); the
+    workers' digits records are the same bytes."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # the session's, above the workers'
+    out = shared / "one_node_two_ranks"
+    with filelock.FileLock(shared / "one_node_two_ranks.lock"):
+        if not (out / "metrics" / "metrics.json").is_file():  # written last, after the model file
+            shutil.rmtree(out, ignore_errors=True)
+            finish(start_stage(out, digits_records, {"nproc_per_node": 2}, {"pretrain": SGD}))
     return out
 
 
 @pytest.mark.slow
 def test_two_agents_at_a_c10d_rendezvous_train_as_one_node_with_two_ranks(one_node_two_ranks, digits_records, tmp_path):
     settings = {"nnodes": 2, "nproc_per_node": 1, "rdzv_endpoint": f"127.0.0.1:{free_ports(1)[0]}", "rdzv_id": "test"}
-    agents = [start_stage(tmp_path, digits_records, settings) for _ in range(2)]
+    agents = [start_stage(tmp_path, digits_records, settings, {"pretrain": SGD}) for _ in range(2)]
     outputs = [finish(agent) for agent in agents]
-    assert sum("global batch 32 = 16 per device x 1 accumulated x 2 ranks" in text for text in outputs) == 1
+    assert sum("global batch 64 = 16 per device x 2 accumulated x 2 ranks" in text for text in outputs) == 1
     weights, metrics = outcome(tmp_path)
     reference_weights, reference_metrics = outcome(one_node_two_ranks)
     torch.testing.assert_close(weights, reference_weights, rtol=0, atol=0)
@@ -230,7 +246,7 @@ def test_two_agents_at_a_c10d_rendezvous_train_as_one_node_with_two_ranks(one_no
 @pytest.mark.slow
 @pytest.mark.own_processes  # the ranks are the launcher's children
 def test_a_killed_rank_is_restarted_and_the_stage_ends_as_if_uninterrupted(one_node_two_ranks, digits_records, tmp_path):
-    process = start_stage(tmp_path, digits_records, {"nproc_per_node": 2, "max_restarts": 1})
+    process = start_stage(tmp_path, digits_records, {"nproc_per_node": 2, "max_restarts": 1}, {"pretrain": SGD})
     checkpoint = tmp_path / "ckpt" / train.CHECKPOINT_FILE
     deadline = time.monotonic() + 600
     while not checkpoint.exists():  # epoch 1 is saved: kill a rank while epoch 2 trains

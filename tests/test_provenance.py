@@ -3,6 +3,8 @@ the launcher, and the code digest that fingerprints a checkpoint covers them."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import shutil
 import subprocess
 import sys
@@ -42,6 +44,31 @@ def test_make_deps_writes_what_dvc_yaml_holds():
         [sys.executable, "scripts/write_code_deps.py", "--check"], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
     assert check.returncode == 0, check.stderr
+
+
+def test_same_outputs_tells_a_changed_output_from_a_run_s_timing(tmp_path):
+    """scripts/same_outputs.py, the proof that a layout change changed no behaviour: two runs' outputs are the same
+    when their hashes are, or when only a metrics file's timing fields differ; a model that differs fails it."""
+    def project(name: str, seconds: float, model: str) -> Path:
+        path = tmp_path / name
+        (path / "metrics/pretrain").mkdir(parents=True)
+        metrics = json.dumps({"val_top1": 90.0, "epoch_seconds": seconds})
+        (path / "metrics/pretrain/metrics.json").write_text(metrics)
+        outs = [{"path": "metrics/pretrain/metrics.json", "md5": hashlib.md5(metrics.encode()).hexdigest()},
+                {"path": "models/pretrain", "md5": f"{model}.dir"}]
+        (path / "dvc.lock").write_text(yaml.safe_dump({"schema": "2.0", "stages": {"pretrain": {"outs": outs}}}))
+        return path
+
+    def compare(before: Path, after: Path) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "scripts/same_outputs.py", before, after], cwd=ROOT,
+                              capture_output=True, text=True, timeout=120)
+
+    same = compare(project("before", 5.0, "a1"), project("after", 6.5, "a1"))
+    assert same.returncode == 0, same.stdout
+    assert "| pretrain | metrics/pretrain/metrics.json |" in same.stdout and "identical but timing" in same.stdout
+    assert "2 of 2 outputs the same" in same.stdout
+    changed = compare(tmp_path / "before", project("changed", 5.0, "b2"))
+    assert changed.returncode == 1 and "differing: pretrain models/pretrain" in changed.stdout, changed.stdout
 
 
 def test_imports_are_followed_through_modules_packages_and_function_bodies():

@@ -1,0 +1,74 @@
+"""Whether two runs of the pipeline wrote the same outputs: the proof that a change of code layout changed no
+behaviour. Give it two project directories that ran the same stages with the same params (e.g. the default
+pipeline at a commit before the change and at one after it: `bench/_common.ProjectCopy(..., source=tree)` makes a
+copy of another commit's tree). For every stage in both dvc.lock files, each output's DVC hash is compared; where
+they differ, a metrics file or plots folder is compared again without its timing fields (seconds and images per
+second change from run to run), anything else differs. Prints a table; exit 1 if anything differs.
+
+Run: python scripts/same_outputs.py BEFORE_DIR AFTER_DIR"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import yaml
+
+# The metrics a run times (the stages' summaries and their DVCLive plots): they differ between two identical runs.
+TIMING_FIELDS = frozenset({
+    "seconds", "images_per_second", "img_per_s", "epoch_seconds", "train_img_per_s", "train_img_per_s_per_rank",
+})
+
+
+def outputs(project: Path) -> dict[tuple[str, str], str]:
+    """(stage, output path) -> the output's hash as dvc.lock records it."""
+    lock = yaml.safe_load((project / "dvc.lock").read_text())
+    return {(stage, out["path"]): out["md5"] for stage, entry in lock["stages"].items() for out in entry.get("outs", [])}
+
+
+def untimed(path: Path) -> object:
+    """A metrics file's content, or a plots folder's TSV files by name, without the timing fields."""
+    if path.is_dir():
+        return {str(file.relative_to(path)): file.read_text() for file in sorted(path.rglob("*.tsv"))
+                if file.stem not in TIMING_FIELDS}
+    content = json.loads(path.read_text())
+    if not isinstance(content, dict):
+        return content
+    return {key: value for key, value in content.items() if key not in TIMING_FIELDS}
+
+
+def verdict(before: Path, after: Path, out: str, hashes: tuple[str, str]) -> str:
+    if hashes[0] == hashes[1]:
+        return "identical"
+    comparable = (before / out).is_dir() or Path(out).suffix == ".json"
+    if out.startswith("metrics/") and comparable and (before / out).exists() and (after / out).exists():
+        if untimed(before / out) == untimed(after / out):
+            return "identical but timing"
+    return "DIFFERS"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("before", type=Path)
+    parser.add_argument("after", type=Path)
+    args = parser.parse_args()
+    before, after = outputs(args.before), outputs(args.after)
+    rows = [(stage, out, before[stage, out], after[stage, out],
+             verdict(args.before, args.after, out, (before[stage, out], after[stage, out])))
+            for stage, out in sorted(before.keys() & after.keys())]
+    print("| stage | output | before | after | |\n| --- | --- | --- | --- | --- |")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+    only = sorted(before.keys() ^ after.keys())
+    if only:
+        print(f"\nin one lock only: {', '.join(f'{stage} {out}' for stage, out in only)}")
+    differing = [row for row in rows if row[-1] == "DIFFERS"]
+    print(f"\n{len(rows) - len(differing)} of {len(rows)} outputs the same" + ("" if not differing else
+          f"; differing: {', '.join(f'{stage} {out}' for stage, out, *_ in differing)}"))
+    return 1 if differing or only else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

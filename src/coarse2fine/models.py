@@ -233,11 +233,11 @@ def compiled_train_forward(model: nn.Module) -> nn.Module:
     """`TrainForward(model)` through torch.compile, for `train.compile`; it shares `model`'s parameters, and
     validation, the EMA and the saved model keep the eager `model`.
 
-    A VOLO is compiled stage by stage (the stem, each stage of `network`, each class-attention block), with
+    A VOLO is compiled block group by block group (the stem, each entry of `network`, each class-attention block), with
     MixToken between them left eager: its box comes from `.item()` and slices the token grid, so a whole-model
     compile broke the graph there and recompiled for every new box shape, 16-24 s each on the CPU, up to dynamo's
     recompile limit, after which the rest of the network ran eagerly (seen on an H100 and on the CPU, 2026-11-26).
-    The compiled stages see the same shapes at every step and compile once each, as torchtitan compiles per block.
+    The compiled groups see the same shapes at every step and compile once each, as torchtitan compiles per block.
     They run in a view of the model (its own table of children). A VOLO sharded by FSDP2 cannot be viewed (its
     class and its `forward_train` belong to FSDP's state of that very module): it is compiled whole, as any
     other model, MixToken's recompiles included.
@@ -247,7 +247,7 @@ def compiled_train_forward(model: nn.Module) -> nn.Module:
     view = copy.copy(model)  # the same parameters and buffers, with a children table of its own
     view._modules = dict(model._modules)
     view.patch_embed = torch.compile(model.patch_embed)
-    view.network = nn.ModuleList(torch.compile(stage) for stage in model.network)
+    view.network = nn.ModuleList(torch.compile(group) for group in model.network)
     if model.post_network is not None:
         view.post_network = nn.ModuleList(torch.compile(block) for block in model.post_network)
     return TrainForward(view)

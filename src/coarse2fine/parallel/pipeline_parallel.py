@@ -1,5 +1,7 @@
 """Pipeline parallelism's split of a model (params `parallel.pipeline`): which of timm's ViT or VOLO parts each
-stage holds, the model pruned to one stage's parts in place, and that stage's forward.
+pipeline stage holds, the model pruned to one pipeline stage's parts in place, and that stage's forward. Here (and
+in torch.distributed.pipelining) a "stage" is a pipeline stage, one rank's share of the model; everywhere else in
+the project, a stage is a DVC stage of the pipeline in dvc.yaml.
 
 The blocks (the parameterised members of the model's containers, coarse2fine.parallel.model_blocks.named_blocks: ViT's
 blocks; VOLO's outlookers, downsample, transformers and class blocks) are dealt out in consecutive, equal runs

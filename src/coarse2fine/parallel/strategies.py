@@ -5,7 +5,7 @@ loop is the same under every strategy (torchtitan's parallelize step).
   gradients, skipped (`no_sync`) on the micro-batches an accumulated update does not end with. Checkpoints hold
   the whole model and optimizer state, written by rank 0.
 - `FullyShard` (fsdp): FSDP2's `fully_shard` on every block (a parameterised child of the model's Sequential and
-  ModuleList containers: timm's VOLO stages and post-network, ViT's blocks, ResNet's residual blocks), then on the
+  ModuleList containers: the entries of timm's VOLO `network` and post-network, ViT's blocks, ResNet's residual blocks), then on the
   root; each rank holds 1/world of every parameter, gradient and optimizer moment, and gathers one block at a time.
   Its `MixedPrecisionPolicy` gathers the parameters in the autocast dtype and reduces gradients in fp32.
   Checkpoints are `torch.distributed.checkpoint` (DCP) shards, which load at the same or another world size.
@@ -385,8 +385,8 @@ class Pipelined(FullyShard):
         return loss
 
     def whole(self, model: nn.Module) -> nn.Module:
-        """The replica filled stage by stage: each tensor from the first data and tensor rank of the stage
-        holding it, gathered there over TP and FSDP."""
+        """The replica filled pipeline stage by pipeline stage: each tensor from the first data and tensor rank of the
+        pipeline stage holding it, gathered there over TP and FSDP."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         from coarse2fine.parallel import pipeline_parallel

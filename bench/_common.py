@@ -274,13 +274,13 @@ def plain_options(args: argparse.Namespace) -> dict:
     return {key: plain(value) for key, value in vars(args).items()}
 
 
-def write_json(args: argparse.Namespace, text: str, raw: dict) -> None:
+def write_json(args: argparse.Namespace, text: str, raw: dict, topic: str | None = None) -> None:
     """The report, the options and the raw numbers: to --json PATH if given, and as the bench's dated result file
-    (write_results, its topic the bench's name)."""
+    (write_results; its topic the bench's name unless `topic` names a variant)."""
     if args.json is not None:
         report = {"report": text, "args": plain_options(args), **raw}
         args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    write_results(args, Path(sys.argv[0]).stem, text, raw)
+    write_results(args, topic or Path(sys.argv[0]).stem, text, raw)
 
 
 def random_store(directory: Path, records: int, *, num_classes: int, top_k: int, grid: int, seed: int) -> TokenLabelStore:

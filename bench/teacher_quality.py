@@ -90,7 +90,14 @@ def main() -> None:
         runs = train_arms(args)
     text = "\n".join([header_line(), "", report(runs, args)])
     print(text)
-    write_json(args, text, {"runs": runs})
+    write_json(args, text, {"runs": runs}, topic=result_topic(args))
+
+
+def result_topic(args: argparse.Namespace) -> str:
+    """The result file's topic: the bench's name at the defaults' student epochs, else those epochs named too."""
+    if args.student_epochs is None:
+        return "teacher_quality"
+    return f"teacher_quality_students_{args.student_epochs[0]}_{args.student_epochs[1]}"
 
 
 def train_arms(args: argparse.Namespace) -> list[dict]:
@@ -111,7 +118,8 @@ def train_arms(args: argparse.Namespace) -> list[dict]:
                     runs.append({"seed": seed, "teacher_epochs": epochs, "arm": arm,
                                  "student_epochs": args.student_epochs, **run_arm(project, settings)})
                     print(json.dumps(runs[-1]), flush=True)
-                    write_json(args, "(unfinished)", {"runs": runs})  # a killed sweep keeps what it ran
+                    # A killed sweep keeps what it ran.
+                    write_json(args, "(unfinished)", {"runs": runs}, topic=result_topic(args))
     return runs
 
 

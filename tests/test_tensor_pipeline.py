@@ -34,7 +34,7 @@ from coarse2fine.distributed import Runtime
 from coarse2fine.errors import UserError
 from coarse2fine.labels.targets import moved_rows, token_targets
 from coarse2fine.mesh import ParallelDims
-from conftest import PROJECT_ROOT, ListLoader, cpu_runtime, make_params, merge
+from conftest import PROJECT_ROOT, ListLoader, cpu_runtime, make_params, merge, torchrun_command
 
 BATCH, MICROBATCHES, STEPS, IMG = 8, 4, 3, 32
 VIT = TimmModel(name="vit_tiny_patch16_224")  # made small below: embed 32, depth 4, 4 heads, 8 px patches
@@ -171,10 +171,9 @@ def test_a_micro_batch_s_token_targets_are_its_rows_of_the_batch_s_found_without
 # ------------------------------------------------------------------------------------------- real ranks
 
 def torchrun(nproc: int, out: Path) -> None:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", __file__,
-               str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MLFLOW_TRACKING_URI": f"sqlite:///{out / 'mlflow.db'}"}
-    result = subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600, env=env)
+    result = subprocess.run(torchrun_command(nproc, __file__, out), cwd=PROJECT_ROOT, capture_output=True, text=True,
+                            timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-5000:]
 
 

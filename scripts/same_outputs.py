@@ -24,8 +24,12 @@ TIMING_FIELDS = frozenset({
 
 def outputs(project: Path) -> dict[tuple[str, str], str]:
     """(stage, output path) -> the output's hash as dvc.lock records it."""
-    lock = yaml.safe_load((project / "dvc.lock").read_text())
-    return {(stage, out["path"]): out["md5"] for stage, entry in lock["stages"].items() for out in entry.get("outs", [])}
+    path = project / "dvc.lock"
+    if not path.is_file():
+        raise SystemExit(f"{path}: no such file: run the pipeline in {project} first (dvc repro)")
+    lock = yaml.safe_load(path.read_text())
+    return {(stage, out["path"]): out["md5"]
+            for stage, entry in lock["stages"].items() for out in entry.get("outs", [])}
 
 
 def untimed(path: Path) -> object:

@@ -71,7 +71,8 @@ def test_same_outputs_tells_a_changed_output_from_a_run_s_timing(tmp_path):
     assert changed.returncode == 1 and "differing: pretrain models/pretrain" in changed.stdout, changed.stdout
     missing = compare(tmp_path / "before", tmp_path)
     assert missing.returncode == 1, missing.stderr
-    assert missing.stderr == f"{tmp_path / 'dvc.lock'}: no such file: run the pipeline in {tmp_path} first (dvc repro)\n"
+    lock = tmp_path / "dvc.lock"
+    assert missing.stderr == f"{lock}: no such file: run the pipeline in {tmp_path} first (dvc repro)\n"
 
 
 def test_imports_are_followed_through_modules_packages_and_function_bodies():

@@ -33,14 +33,14 @@ import torch
 import yaml
 from PIL import Image, ImageDraw, ImageFilter
 
-from coarse2fine import losses
 from coarse2fine.config import Params, parse_params
 from coarse2fine.data import records
 from coarse2fine.data.convert import convert
 from coarse2fine.data.sources import write_digits
 from coarse2fine.distributed import Runtime
 from coarse2fine.labels.store import TokenLabelStore, write_store
-from coarse2fine.train import StagePaths, Trainer
+from coarse2fine.training import losses
+from coarse2fine.training.train import StagePaths, Trainer
 
 PHOTO_SIZE = (500, 375)  # width, height: a typical ImageNet / Pascal VOC photo
 JPEG_QUALITY = 90

@@ -37,7 +37,7 @@ from coarse2fine.data.loaders import build_loader
 from coarse2fine.data.transforms import IMAGE_MEAN, IMAGE_STD
 from coarse2fine.labels import targets
 from coarse2fine.labels.generate import TrainRecords, View, dense_head
-from coarse2fine.losses import mix_token_lam
+from coarse2fine.training.losses import mix_token_lam
 
 LOADER_BATCH = 64
 

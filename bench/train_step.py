@@ -4,7 +4,7 @@ Same tiny VOLO (params.yaml model defaults), same batch (pretrain defaults: 64 x
 label-smoothed cross-entropy on the same logits (model(x) = class logits + 0.5 x best token logits), on random
 tensors loaded before timing, so only the training step is compared, never data loading. Rows:
 - bare loop: forward_train + head, loss, backward, torch.optim.AdamW step, zero_grad;
-- Trainer step: coarse2fine.train.Trainer.backward + optimizer_step (timm optimizer, per-update LR schedule,
+- Trainer step: coarse2fine.training.train.Trainer.backward + optimizer_step (timm optimizer, per-update LR schedule,
   grad scaler pass-through, autocast context);
 - Trainer epoch: Trainer.train_epoch over an in-memory loader yielding the same batches (adds the epoch loop:
   progress bar, per-step loss.item(), loss sums), still without data loading;
@@ -38,7 +38,7 @@ from coarse2fine.config import Params, parse_params
 from coarse2fine.data.loaders import with_target_inputs
 from coarse2fine.data.transforms import IDENTITY_AFFINE
 from coarse2fine.labels.store import TokenLabelStore
-from coarse2fine.train import Trainer, seed_everything
+from coarse2fine.training.train import Trainer, seed_everything
 
 NUM_CLASSES = 10
 GOAL_VS_BARE = 0.95

@@ -13,8 +13,8 @@ from pathlib import Path
 
 from coarse2fine import cli
 from coarse2fine.config import Params
-from coarse2fine.stage_training import train_student
-from coarse2fine.train import StagePaths
+from coarse2fine.training.stage import train_student
+from coarse2fine.training.train import StagePaths
 
 # What this stage reads (as dvc.yaml lists it); tracked in MLflow, and a checkpoint under others is not resumed.
 PARAM_SECTIONS = (

@@ -2,7 +2,7 @@
 
 `teacher.mode: train` trains `teacher.model` with the shared Trainer (resumable like pretrain), from
 `teacher.init_weights` if given; `teacher.mode: import` loads `teacher.weights` (a local weights file of
-`teacher.model.name`, loaded strictly, weights_only; never a download) and evaluates it (coarse2fine.weights).
+`teacher.model.name`, loaded strictly, weights_only; never a download) and evaluates it (coarse2fine.training.weights).
 Either way: models/teacher/model.pt, the teacher's val top-1 in metrics/teacher, an MLflow run.
 """
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 from coarse2fine import cli
 from coarse2fine.config import Params
-from coarse2fine.stage_training import train_teacher
-from coarse2fine.train import StagePaths
+from coarse2fine.training.stage import train_teacher
+from coarse2fine.training.train import StagePaths
 
 # What this stage reads (as dvc.yaml lists it); tracked in MLflow, and a checkpoint under others is not resumed.
 PARAM_SECTIONS = (

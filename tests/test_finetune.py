@@ -14,8 +14,8 @@ from coarse2fine.config import CustomVolo, TimmModel
 from coarse2fine.data.loaders import build_loader
 from coarse2fine.errors import UserError
 from coarse2fine.evaluate import evaluate
-from coarse2fine.stage_training import train_student
-from coarse2fine.train import StagePaths
+from coarse2fine.training.stage import train_student
+from coarse2fine.training.train import StagePaths
 
 TINY_VOLO = CustomVolo(patch_size=4)  # stride 8: 2 x 2 tokens at 16 px, 3 x 3 at 24, 4 x 4 at 32
 

@@ -22,9 +22,10 @@ import torch
 import yaml
 from torch import nn
 
-from coarse2fine import distributed, models, train
-from coarse2fine.parallel import model_blocks, strategies
+from coarse2fine import distributed, models
 from coarse2fine.config import CustomVolo, TimmModel
+from coarse2fine.parallel import model_blocks, strategies
+from coarse2fine.training import train
 from conftest import PROJECT_ROOT, launch_command, make_params, torchrun_command
 from test_scale_out import SGD, finish, one_node_two_ranks, outcome, start_stage  # one_node_two_ranks: a fixture
 

@@ -21,10 +21,11 @@ import pytest
 import torch
 from conftest import PROJECT_ROOT, Project, make_params
 
-from coarse2fine import losses, models, train
+from coarse2fine import models
 from coarse2fine.data.loaders import build_loader
 from coarse2fine.distributed import Runtime
 from coarse2fine.labels.store import TokenLabelStore, write_store
+from coarse2fine.training import losses, train
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 NO_GPU = (

@@ -14,8 +14,9 @@ from timm.models.volo import VOLO
 from torch._dynamo.eval_frame import OptimizedModule
 from torch._dynamo.testing import CompileCounter
 
-from coarse2fine import config, models, train
+from coarse2fine import config, models
 from coarse2fine.distributed import Runtime
+from coarse2fine.training import train
 
 NUM_CLASSES = 10
 

@@ -15,12 +15,13 @@ from conftest import (
 )
 from safetensors.torch import save_file
 
-from coarse2fine import models, train, weights
+from coarse2fine import models
 from coarse2fine.config import load_params
 from coarse2fine.data.listing import weights_state
 from coarse2fine.data.loaders import build_loader
 from coarse2fine.errors import UserError
 from coarse2fine.evaluate import evaluate
+from coarse2fine.training import train, weights
 
 CLASSES = 10  # the digits
 FORMATS = ("safetensors", "state_dict", "reference_checkpoint", "timm_ema_checkpoint")

@@ -59,7 +59,7 @@ RESUME = ".resume"  # where dvc.yaml has a killed stage keep what it resumes fro
 # A behaviour change in a module pretrain and the teacher import (not their scripts): the ground-truth objective
 # stops learning.
 NO_LEARNING = (
-    "src/coarse2fine/losses.py",
+    "src/coarse2fine/training/losses.py",
     'return self.criterion(output.merged(), batch["label"])',
     'return 0.0 * self.criterion(output.merged(), batch["label"])',
 )

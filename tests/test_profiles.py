@@ -11,10 +11,11 @@ import torch
 import yaml
 from conftest import ListLoader, cpu_runtime
 
-from coarse2fine import losses, models, train
+from coarse2fine import models
 from coarse2fine.config import TeacherWeight, flatten, load_params
 from coarse2fine.data.loaders import with_target_inputs
 from coarse2fine.labels import store
+from coarse2fine.training import losses, train
 
 PROFILES = sorted((Path(__file__).resolve().parents[1] / "profiles").glob("*.yaml"))
 CLASSES = 10

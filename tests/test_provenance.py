@@ -78,13 +78,13 @@ def test_same_outputs_tells_a_changed_output_from_a_run_s_timing(tmp_path):
 def test_imports_are_followed_through_modules_packages_and_function_bodies():
     files = relative(provenance.code_files(ROOT / "stages/pretrain.py"))
     # Imported by modules the script imports (not by the script), and package __init__ files on the way.
-    for module in ("losses.py", "config.py", "distributed.py", "data/records.py", "labels/targets.py",
-                   "__init__.py", "data/__init__.py", "labels/__init__.py"):
+    for module in ("training/losses.py", "config.py", "distributed.py", "data/records.py", "labels/targets.py",
+                   "__init__.py", "data/__init__.py", "labels/__init__.py", "training/__init__.py"):
         assert f"src/coarse2fine/{module}" in files
     # loaders.py imports its backends inside a function.
     assert "src/coarse2fine/data/dali_backend.py" in relative(provenance.code_files(ROOT / "stages/evaluate.py"))
     # Nothing the stage cannot run: convert never imports the trainer.
-    assert "src/coarse2fine/train.py" not in relative(provenance.code_files(ROOT / "stages/convert.py"))
+    assert "src/coarse2fine/training/train.py" not in relative(provenance.code_files(ROOT / "stages/convert.py"))
 
 
 def test_the_fingerprint_changes_with_the_code_the_process_imports(tmp_path):
@@ -103,6 +103,6 @@ def test_the_fingerprint_changes_with_the_code_the_process_imports(tmp_path):
     before = fingerprint(tree)
     assert before["code"] == provenance.fingerprint(ROOT / "stages/pretrain.py")["code"]
     assert before["version.torch"] and before["version.timm"]
-    with open(tree / "src/coarse2fine/losses.py", "a") as losses:
+    with open(tree / "src/coarse2fine/training/losses.py", "a") as losses:
         losses.write("\nSMOOTHING_FLOOR = 0.0\n")
     assert fingerprint(tree)["code"] != before["code"]

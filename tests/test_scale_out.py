@@ -22,12 +22,13 @@ import pytest
 import torch
 import yaml
 
-from coarse2fine import launch, slurm, train
+from coarse2fine import launch, slurm
 from coarse2fine.config import Launch
 from coarse2fine.data import records
 from coarse2fine.data.loaders import build_loader
 from coarse2fine.distributed import Runtime
 from coarse2fine.labels.store import write_store
+from coarse2fine.training import train
 from conftest import PROJECT_ROOT, Project, free_ports, make_params, merge
 from test_train import TIMING_METRICS
 

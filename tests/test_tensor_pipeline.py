@@ -26,14 +26,15 @@ import pytest
 import torch
 from torch import nn
 
-from coarse2fine import distributed, losses, models, train
-from coarse2fine.parallel import pipeline_parallel, strategies, tensor_parallel
+from coarse2fine import distributed, models
 from coarse2fine.config import CustomVolo, Parallel, TimmModel
 from coarse2fine.data.transforms import IDENTITY_AFFINE
 from coarse2fine.distributed import Runtime
 from coarse2fine.errors import UserError
 from coarse2fine.labels.targets import moved_rows, token_targets
 from coarse2fine.mesh import ParallelDims
+from coarse2fine.parallel import pipeline_parallel, strategies, tensor_parallel
+from coarse2fine.training import losses, train
 from conftest import PROJECT_ROOT, ListLoader, cpu_runtime, make_params, merge, torchrun_command
 
 BATCH, MICROBATCHES, STEPS, IMG = 8, 4, 3, 32

@@ -13,14 +13,15 @@ import pytest
 import torch
 from conftest import cpu_runtime, make_params, train_val_loaders
 
-from coarse2fine import losses, models, train
+from coarse2fine import models
 from coarse2fine.config import Params, TeacherWeight
 from coarse2fine.data import records
-from coarse2fine.errors import UserError
-from coarse2fine.labels.store import TokenLabelStore, write_store
 from coarse2fine.data.loaders import with_target_inputs
 from coarse2fine.data.transforms import IDENTITY_AFFINE, IMAGE_MEAN, IMAGE_STD
+from coarse2fine.errors import UserError
+from coarse2fine.labels.store import TokenLabelStore, write_store
 from coarse2fine.labels.targets import entropy, moved_rows, token_targets
+from coarse2fine.training import losses, train
 
 FULL_WINDOW = torch.tensor([[0.0, 0.0, 1.0, 1.0]])
 NO_FLIP = torch.tensor([False])

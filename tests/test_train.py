@@ -26,10 +26,11 @@ from timm.optim import Lamb
 from timm.optim import kron as timm_kron
 from timm.optim.kron import Kron
 
-from coarse2fine import distributed, models, train
+from coarse2fine import distributed, models
 from coarse2fine.data import records
 from coarse2fine.distributed import Runtime
 from coarse2fine.errors import UserError
+from coarse2fine.training import train
 
 NUM_CLASSES = 10
 ENV = {**os.environ, "DVC_NO_ANALYTICS": "1", "MLFLOW_DISABLE_TELEMETRY": "true"}

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from coarse2fine import train
+from coarse2fine.training import train
 from conftest import make_params
 from test_scale_out import finish, outcome, start_stage
 

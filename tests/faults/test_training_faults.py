@@ -11,7 +11,7 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
-from coarse2fine import train
+from coarse2fine.training import train
 from conftest import merge
 from test_scale_out import finish, start_stage
 

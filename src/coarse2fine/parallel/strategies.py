@@ -403,7 +403,7 @@ class Pipelined(FullyShard):
 def _optimizer_by_name() -> Any:
     """DCP's options for the optimizer's state dict: its settings (lr, weight decay...) keyed by parameter name like
     its moments, not by param-group position (torchtitan does so). A checkpoint then loads under another grouping
-    (coarse2fine.train groups by tensor kind) and keeps every pipeline stage's settings: positional groups are the
+    (coarse2fine.training.train groups by tensor kind) and keeps every pipeline stage's settings: positional groups are the
     same keys on every stage, and DCP writes one stage's."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 

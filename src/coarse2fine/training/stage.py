@@ -1,7 +1,7 @@
 """A training stage assembled, for the teacher, pre-training and fine-tuning alike: the loaders, the seed, the model
 (from `init_weights`, or fine-tuning's pre-trained model file, its position embedding resampled), the objective
 (the student's token labels from the store, or the ground truth) and the one Trainer; or, with `mode: import`, the
-stage's model imported from a weights file and evaluated instead (coarse2fine.weights).
+stage's model imported from a weights file and evaluated instead (coarse2fine.training.weights).
 """
 
 from __future__ import annotations
@@ -9,12 +9,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from coarse2fine import config, distributed, losses, models, provenance, train, weights
+from coarse2fine import config, distributed, models, provenance
 from coarse2fine.data import records
 from coarse2fine.data.loaders import build_loader
 from coarse2fine.files import file_sha256
 from coarse2fine.labels import store
 from coarse2fine.mesh import ParallelDims
+from coarse2fine.training import losses, train, weights
 
 
 def train_teacher(

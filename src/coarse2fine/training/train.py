@@ -58,7 +58,7 @@ from timm.scheduler.scheduler import Scheduler
 from timm.utils import ModelEmaV3
 from torch import nn
 
-from coarse2fine import config, distributed, losses, models
+from coarse2fine import config, distributed, models
 from coarse2fine.data import records
 from coarse2fine.data.transforms import eval_transform
 from coarse2fine.distributed import Runtime
@@ -68,6 +68,7 @@ from coarse2fine.labels.targets import moved_among
 from coarse2fine.parallel import strategies
 from coarse2fine.progress import progress
 from coarse2fine.tracking.identity import stage_params
+from coarse2fine.training import losses
 
 CHECKPOINT_FILE = "last.pt"
 PROGRESS_EVERY = 10  # steps between updates of the progress bar's loss, and checks of a non-finite loss

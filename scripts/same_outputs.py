@@ -10,6 +10,7 @@ Run: python scripts/same_outputs.py BEFORE_DIR AFTER_DIR"""
 from __future__ import annotations
 
 import argparse
+import filecmp
 import json
 import sys
 from pathlib import Path
@@ -46,11 +47,21 @@ def untimed(path: Path) -> object:
 def verdict(before: Path, after: Path, out: str, hashes: tuple[str, str]) -> str:
     if hashes[0] == hashes[1]:
         return "identical"
+    if not ((before / out).exists() and (after / out).exists()):
+        return "DIFFERS"
     comparable = (before / out).is_dir() or Path(out).suffix == ".json"
-    if out.startswith("metrics/") and comparable and (before / out).exists() and (after / out).exists():
-        if untimed(before / out) == untimed(after / out):
-            return "identical but timing"
+    if out.startswith("metrics/") and comparable and untimed(before / out) == untimed(after / out):
+        return "identical but timing"
+    if (before / out).is_dir():  # which of its files, for the reader to judge
+        return f"DIFFERS: {', '.join(differing_files(before / out, after / out))}"
     return "DIFFERS"
+
+
+def differing_files(before: Path, after: Path) -> list[str]:
+    """The files of two folders that differ, or are in one only, by path relative to the folder."""
+    names = {path.relative_to(root) for root in (before, after) for path in root.rglob("*") if path.is_file()}
+    return sorted(str(name) for name in names if not (before / name).is_file() or not (after / name).is_file()
+                  or not filecmp.cmp(before / name, after / name, shallow=False))
 
 
 def main() -> int:
@@ -68,7 +79,7 @@ def main() -> int:
     only = sorted(before.keys() ^ after.keys())
     if only:
         print(f"\nin one lock only: {', '.join(f'{stage} {out}' for stage, out in only)}")
-    differing = [row for row in rows if row[-1] == "DIFFERS"]
+    differing = [row for row in rows if row[-1].startswith("DIFFERS")]
     print(f"\n{len(rows) - len(differing)} of {len(rows)} outputs the same" + ("" if not differing else
           f"; differing: {', '.join(f'{stage} {out}' for stage, out, *_ in differing)}"))
     return 1 if differing or only else 0

@@ -69,6 +69,14 @@ def test_same_outputs_tells_a_changed_output_from_a_run_s_timing(tmp_path):
     assert "2 of 2 outputs the same" in same.stdout
     changed = compare(tmp_path / "before", project("changed", 5.0, "b2"))
     assert changed.returncode == 1 and "differing: pretrain models/pretrain" in changed.stdout, changed.stdout
+    # A folder's differing files are named (here the model folders exist in neither project: the output itself).
+    assert "| pretrain | models/pretrain | a1.dir | b2.dir | DIFFERS |" in changed.stdout
+    (tmp_path / "before/models/pretrain").mkdir(parents=True)
+    (tmp_path / "before/models/pretrain/model.pt").write_bytes(b"one")
+    (tmp_path / "changed/models/pretrain").mkdir(parents=True)
+    (tmp_path / "changed/models/pretrain/model.pt").write_bytes(b"two")
+    named = compare(tmp_path / "before", tmp_path / "changed")
+    assert "| a1.dir | b2.dir | DIFFERS: model.pt |" in named.stdout, named.stdout
     missing = compare(tmp_path / "before", tmp_path)
     assert missing.returncode == 1, missing.stderr
     lock = tmp_path / "dvc.lock"

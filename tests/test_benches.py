@@ -254,6 +254,34 @@ def test_ablation_tiny_runs_its_rows_as_dvc_experiments_in_the_shared_copy(
         assert (top1, loss) == (f"{evaluation['top1']:.2f}", f"{evaluation['loss']:.3f}"), (name, evaluation)
 
 
+# Two DVC experiments (ground truth, the recipe) from a one-epoch teacher, in the bench's own near-empty copy.
+@pytest.mark.slow
+def test_teacher_quality_tiny_reports_each_arm_and_the_recipe_s_gap_to_ground_truth(tmp_path: Path) -> None:
+    report = run_bench("teacher_quality", "--tiny", "--workdir", str(tmp_path), "--arms", "ground truth", "recipe")
+    rows = {row[2]: row for row in first_table(report)}
+    assert list(rows) == ["recipe", "ground truth"] and rows["recipe"][0] == "1"  # the teacher's epochs
+    project = tmp_path / "seed0" / "project"
+    metrics = {name: json.loads((project / "metrics" / name / "metrics.json").read_text())
+               for name in ("teacher", "token_labels", "evaluate/pretrain", "evaluate/finetune")}
+
+    def students(evaluations: dict[str, dict]) -> list[float]:  # pretrain @48, @64, finetune @64
+        pretrain, finetune = evaluations["evaluate/pretrain"], evaluations["evaluate/finetune"]
+        return [pretrain["top1"], pretrain["top1_at_64"], finetune["top1"]]
+
+    # The recipe ran last: its row is what the workspace's evaluations and the token_labels stage wrote.
+    recipe = students(metrics)
+    assert rows["recipe"][3:6] == [f"{value:.2f}" for value in recipe]
+    labels = metrics["token_labels"]
+    teacher = (metrics["teacher"]["val_top1"], labels["dense_top1"], labels["cell_top1"])
+    assert rows["recipe"][1] == " / ".join(f"{value:.2f}" for value in teacher)
+    # Ground truth's row is the other experiment's evaluations, and the gap is the recipe's minus it.
+    evaluations = ("evaluate/pretrain", "evaluate/finetune")
+    shown = [students({name: files[f"metrics/{name}/metrics.json"] for name in evaluations})
+             for files in experiment_metrics(project).values()]
+    truth = next(values for values in shown if [f"{value:.2f}" for value in values] == rows["ground truth"][3:6])
+    assert rows["recipe"][6] == " / ".join(f"{mine - theirs:+.2f}" for mine, theirs in zip(recipe, truth))
+
+
 def experiment_metrics(project: Path) -> dict[str, dict[str, dict]]:
     """experiment name -> metrics file -> its values, as `dvc exp show` has them in the DVC project `project`."""
     shown = json.loads(subprocess.run([sys.executable, "-m", "dvc", "exp", "show", "--json"], cwd=project, capture_output=True, text=True,

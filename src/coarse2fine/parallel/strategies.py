@@ -5,9 +5,10 @@ loop is the same under every strategy (torchtitan's parallelize step).
   gradients, skipped (`no_sync`) on the micro-batches an accumulated update does not end with. Checkpoints hold
   the whole model and optimizer state, written by rank 0.
 - `FullyShard` (fsdp): FSDP2's `fully_shard` on every block (a parameterised child of the model's Sequential and
-  ModuleList containers: the entries of timm's VOLO `network` and post-network, ViT's blocks, ResNet's residual blocks), then on the
-  root; each rank holds 1/world of every parameter, gradient and optimizer moment, and gathers one block at a time.
-  Its `MixedPrecisionPolicy` gathers the parameters in the autocast dtype and reduces gradients in fp32.
+  ModuleList containers: the entries of timm's VOLO `network` and post-network, ViT's blocks, ResNet's residual
+  blocks), then on the root; each rank holds 1/world of every parameter, gradient and optimizer moment, and gathers
+  one block at a time. Its `MixedPrecisionPolicy` gathers the parameters in the autocast dtype and reduces gradients
+  in fp32.
   Checkpoints are `torch.distributed.checkpoint` (DCP) shards, which load at the same or another world size.
   Validation, the model file and MLflow get a plain (unsharded) replica filled from the full state dict, so
   evaluate, predict and the registry never need FSDP (the replica costs one unsharded copy of the weights, no
@@ -403,8 +404,8 @@ class Pipelined(FullyShard):
 def _optimizer_by_name() -> Any:
     """DCP's options for the optimizer's state dict: its settings (lr, weight decay...) keyed by parameter name like
     its moments, not by param-group position (torchtitan does so). A checkpoint then loads under another grouping
-    (coarse2fine.training.train groups by tensor kind) and keeps every pipeline stage's settings: positional groups are the
-    same keys on every stage, and DCP writes one stage's."""
+    (coarse2fine.training.train groups by tensor kind) and keeps every pipeline stage's settings: positional groups
+    are the same keys on every pipeline stage, and DCP writes one stage's."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     return StateDictOptions(flatten_optimizer_state_dict=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import copy
 import json
 import os
 import re
@@ -291,13 +292,13 @@ def free_ports(count: int) -> list[int]:
 
 
 def merge(base: dict, change: dict) -> dict:
-    """Nested dict update: `change`'s leaves replace `base`'s, other keys stay."""
+    """A new nested dict: `base` with `change`'s leaves replacing its own, its other keys kept. Neither argument
+    changes: the tests merge into module constants (test_scale_out's PRETRAIN), which an update in place would
+    change for every later test of the worker."""
+    merged = copy.deepcopy(base)
     for key, value in change.items():
-        if isinstance(value, dict):
-            merge(base.setdefault(key, {}), value)
-        else:
-            base[key] = value
-    return base
+        merged[key] = merge(merged.get(key, {}), value) if isinstance(value, dict) else copy.deepcopy(value)
+    return merged
 
 
 # The pipeline tests run on the digits at the sizes that were the shipped default before the photos (24 px

@@ -4,6 +4,7 @@ Real launcher, real torchrun, real gloo ranks; the pretrain stage itself, on the
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import resource
@@ -31,6 +32,16 @@ from coarse2fine.labels.store import write_store
 from coarse2fine.training import train
 from conftest import PROJECT_ROOT, Project, free_ports, make_params, merge
 from test_train import TIMING_METRICS
+
+
+def test_a_test_s_changes_leave_the_shared_settings_as_they_were():
+    """CI's failure: test_kill_mid_epoch's `token_label.enabled: False`, merged into this module's PRETRAIN in
+    place, turned token labels off in every later stage of that worker, whose runs then missed the shared
+    reference made with them."""
+    before = copy.deepcopy(PRETRAIN)
+    merged = merge({"pretrain": PRETRAIN}, {"pretrain": {"token_label": {"enabled": False}, "epochs": 1}})
+    assert merged["pretrain"]["token_label"] == {"enabled": False, "mix_token": True}
+    assert merged["pretrain"]["epochs"] == 1 and PRETRAIN == before
 
 
 def test_one_local_node_runs_standalone_as_before():
@@ -163,7 +174,7 @@ def start_stage(
     One thread per rank everywhere, so that every layout computes with the same kernels."""
     out.mkdir(parents=True, exist_ok=True)
     params = out / "params.yaml"
-    settings = {"data": {"source": "digits"}, "launch": launch_settings, "pretrain": dict(PRETRAIN)}
+    settings = {"data": {"source": "digits"}, "launch": launch_settings, "pretrain": PRETRAIN}
     # Written whole, then renamed: the second of two agents sharing `out` must not truncate the file the first reads.
     written = params.with_suffix(".partial")
     written.write_text(yaml.safe_dump(merge(settings, changes or {})))

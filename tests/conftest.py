@@ -13,9 +13,11 @@ import socket
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import filelock
 import pytest
 import torch
 import yaml
@@ -246,6 +248,23 @@ def digits_records(tmp_path_factory: pytest.TempPathFactory) -> Path:
     records_dir = tmp_path_factory.mktemp("digits_records")
     convert(make_params(**DIGITS_RECORDS_PARAMS), cpu_runtime(), records_dir)
     return records_dir
+
+
+def built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], object]) -> Path:
+    """The directory `name`, filled by `build` once per test session, by whichever pytest-xdist worker asks first
+    (the others wait for its lock): a run that several tests only read. A module-scoped fixture would run it once
+    in each worker, and again whenever a worker's order splits its tests (tests/test_tensor_pipeline.py's ranks ran
+    five times in one session)."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # the session's, above the workers'
+    out, done = shared / name, shared / f"{name}.done"
+    with filelock.FileLock(shared / f"{name}.lock"):
+        if not done.is_file():
+            shutil.rmtree(out, ignore_errors=True)
+            out.mkdir()
+            build(out)
+            done.touch()
+    return out
 
 
 def fit_head_by_least_squares(model: torch.nn.Module, batches: list[dict]) -> None:

@@ -8,7 +8,6 @@ import copy
 import json
 import os
 import resource
-import shutil
 import signal
 import socket
 import subprocess
@@ -16,7 +15,6 @@ import sys
 import time
 from pathlib import Path
 
-import filelock
 import numpy as np
 import psutil
 import pytest
@@ -30,7 +28,7 @@ from coarse2fine.data.loaders import build_loader
 from coarse2fine.distributed import Runtime
 from coarse2fine.labels.store import write_store
 from coarse2fine.training import train
-from conftest import PROJECT_ROOT, Project, free_ports, make_params, merge
+from conftest import PROJECT_ROOT, Project, built_once, free_ports, make_params, merge
 from test_train import TIMING_METRICS
 
 
@@ -221,16 +219,10 @@ SGD = {"optimizer": {"name": "sgd", "momentum": 0.9, "lr_base": 0.4}, "accum_ste
 @pytest.fixture(scope="session")
 def one_node_two_ranks(digits_records, tmp_path_factory) -> Path:
     """pretrain on one node with two DDP ranks (SGD): the result every other layout must reach, here and in
-    test_fsdp.py. Run once per session, whichever xdist worker asks first (the others wait for its file lock); the
-    workers' digits records are the same bytes."""
-    base = tmp_path_factory.getbasetemp()
-    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # the session's, above the workers'
-    out = shared / "one_node_two_ranks"
-    with filelock.FileLock(shared / "one_node_two_ranks.lock"):
-        if not (out / "metrics" / "metrics.json").is_file():  # written last, after the model file
-            shutil.rmtree(out, ignore_errors=True)
-            finish(start_stage(out, digits_records, {"nproc_per_node": 2}, {"pretrain": SGD}))
-    return out
+    test_fsdp.py, run once per session (the workers' digits records are the same bytes)."""
+    return built_once(tmp_path_factory, "one_node_two_ranks", lambda out: finish(
+        start_stage(out, digits_records, {"nproc_per_node": 2}, {"pretrain": SGD})
+    ))
 
 
 @pytest.mark.slow

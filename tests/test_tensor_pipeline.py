@@ -35,7 +35,7 @@ from coarse2fine.labels.targets import moved_rows, token_targets
 from coarse2fine.mesh import ParallelDims
 from coarse2fine.parallel import pipeline_parallel, strategies, tensor_parallel
 from coarse2fine.training import losses, train
-from conftest import PROJECT_ROOT, ListLoader, cpu_runtime, make_params, merge, torchrun_command
+from conftest import PROJECT_ROOT, ListLoader, built_once, cpu_runtime, make_params, merge, torchrun_command
 
 BATCH, MICROBATCHES, STEPS, IMG = 8, 4, 3, 32
 VIT = TimmModel(name="vit_tiny_patch16_224")  # made small below: embed 32, depth 4, 4 heads, 8 px patches
@@ -178,18 +178,14 @@ def torchrun(nproc: int, out: Path) -> None:
     assert result.returncode == 0, result.stderr[-5000:]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def ranks_out(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("tensor_pipeline")
-    torchrun(2, out)
-    return out
+    return built_once(tmp_path_factory, "tensor_pipeline", lambda out: torchrun(2, out))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def composed_out(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("composed")
-    torchrun(4, out)
-    return out
+    return built_once(tmp_path_factory, "composed", lambda out: torchrun(4, out))
 
 
 @pytest.mark.slow

@@ -459,11 +459,13 @@ def test_a_checkpoint_that_cannot_be_read_for_a_transient_reason_is_retried_and_
 @pytest.mark.slow
 def test_rerun_after_the_last_epoch_only_writes_the_outputs(tmp_path, monkeypatch):
     """Killed between the last checkpoint and the model file: the rerun trains nothing (its loader would fail if
-    iterated), writes the checkpoint's weights and metrics, and deletes the checkpoint (DVC caches the result)."""
+    iterated), writes the checkpoint's weights and metrics, and deletes the checkpoint (DVC caches the result), with
+    the half-written one an earlier kill left under its temporary name (as large as a checkpoint)."""
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     finished = make_trainer(tmp_path, epochs=2)
     history = [{"val_top1": 90.0, "val_top5": 100.0}, {"val_top1": 97.5, "val_top5": 100.0}]
     checkpoint_at(finished, 2, history, None)
+    (finished.checkpoint_path.parent / f".{train.CHECKPOINT_FILE}.tmp-4242").write_bytes(b"killed mid-write")
     rerun = make_trainer(tmp_path, epochs=2, model_seed=1)
     assert rerun.fit() == {"val_top1": 97.5, "val_top5": 100.0}
     assert not rerun.checkpoint_path.parent.exists()

@@ -31,7 +31,7 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")  # temporaries_of finds those a kill left
     try:
         yield temporary
         with open(temporary, "rb+") as written:
@@ -49,6 +49,12 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         raise out_of_space(path, full, "nothing half-written is kept") from None
     finally:
         temporary.unlink(missing_ok=True)
+
+
+def temporaries_of(path: Path) -> list[Path]:
+    """The temporary files atomic_path left beside `path` where its process was killed inside the block (SIGKILL
+    runs no cleanup): as large as the file itself."""
+    return sorted(path.parent.glob(f".{path.name}.tmp-*"))
 
 
 def no_space_behind(error: BaseException) -> OSError | None:

@@ -58,7 +58,7 @@ from timm.scheduler.scheduler import Scheduler
 from timm.utils import ModelEmaV3
 from torch import nn
 
-from coarse2fine import config, distributed, models
+from coarse2fine import config, distributed, files, models
 from coarse2fine.data import records
 from coarse2fine.data.transforms import eval_transform
 from coarse2fine.distributed import Runtime
@@ -381,7 +381,8 @@ class Trainer:
             for name in (records.CLASSES_FILE, records.MANIFEST_FILE) if self.records_dir else ():
                 tracker.log_artifact(self.records_dir / name)
         if self.runtime.is_main:  # the outputs are written: DVC's cache keeps the result from here on
-            self.checkpoint_path.unlink(missing_ok=True)
+            for written in (self.checkpoint_path, *files.temporaries_of(self.checkpoint_path)):
+                written.unlink(missing_ok=True)
             for shards in strategies.shard_directories(self.checkpoint_path.parent):
                 shutil.rmtree(shards)
             with contextlib.suppress(OSError):  # the dir, if nothing else is in it

@@ -20,6 +20,8 @@ import time
 import pytest
 import yaml
 
+from coarse2fine.labels import generate
+from coarse2fine.training import train
 from conftest import Project, merge
 from test_pipeline import FAST, TOKEN_LABELS
 
@@ -37,6 +39,10 @@ WALK = merge(merge(merge({}, FAST), TOKEN_LABELS), {
     "pretrain": {"epochs": 3},
     "finetune": {"epochs": 1},
 })
+# Where dvc.yaml has a killed stage keep what it resumes from, and what its rerun then says.
+RESUME = ".resume"
+RESUMED = {"teacher": "resumed from ", "pretrain": "resumed from ", "finetune": "resumed from ",
+           "token_labels": "token_labels: resuming, "}
 # Written by the stages, besides what they compute: how long they took. Everything else must be equal.
 TIMING_KEYS = re.compile(r"seconds|per_s")
 STAGE_LINE = re.compile(r"Running stage '([\w@-]+)'")
@@ -114,6 +120,13 @@ def repro_mending_dvc_files(project: Project) -> Repro:
     return repro
 
 
+def left_to_resume(project: Project, stage: str) -> bool:
+    """Whether a killed `stage` left what its rerun resumes from: a training stage's checkpoint, generation's
+    finished chunks."""
+    kept = project.path / RESUME / stage
+    return (kept / train.CHECKPOINT_FILE).is_file() or any((kept / generate.DONE_DIR).glob("chunk-*.json"))
+
+
 def stage_spans(repro: Repro, ended: float) -> dict[str, float]:
     """Seconds from each stage's start to the next one's (the last: to the end of the repro)."""
     order = sorted(repro.started, key=repro.started.get)
@@ -168,9 +181,12 @@ def test_each_stage_killed_anywhere_the_pipeline_ends_as_if_uninterrupted(tmp_pa
 
     draw = random.Random(SEED)
     landed = []
+    repros = []
+    resumable = []  # (a killed stage that left something to resume from, the index of the repros after the kill)
     for stage, span in spans.items():
         delay = draw.uniform(0.05, 0.9) * span
         repro = repro_mending_dvc_files(walked)
+        repros.append(repro)
         if not repro.wait_for(stage):  # finished under an earlier kill's rerun: a kill that missed its stage
             landed.append(False)
             continue
@@ -179,11 +195,25 @@ def test_each_stage_killed_anywhere_the_pipeline_ends_as_if_uninterrupted(tmp_pa
             continue
         running = max(repro.started, key=repro.started.get)  # the stage the kill falls in
         repro.kill()
-        print(f"seed {SEED}: dvc repro killed {delay:.2f} s into {stage} (uninterrupted: {span:.2f} s), in {running}")
+        left = left_to_resume(walked, running)
+        if left:
+            resumable.append((running, len(repros)))
+        print(f"seed {SEED}: dvc repro killed {delay:.2f} s into {stage} (uninterrupted: {span:.2f} s), in {running}"
+              f"{', which left something to resume from' if left else ''}")
         landed.append(running == stage)
-    repro_mending_dvc_files(walked).finish()
+    repros.append(repro_mending_dvc_files(walked))
+    repros[-1].finish()
     # Timings vary: a kill may fall in the next stage. Most must fall where they were aimed, or the test tests little.
     assert sum(landed) >= 2 / 3 * len(spans), landed
+    # A rerun resumes what its killed run left (a run from scratch would reach the same results, only later): the
+    # training stages from their checkpoints, inside an epoch too, token labels from their finished chunks (where a
+    # kill falls before any, test_pipeline.py's kill test aims after them); said by the next repro, or by a later
+    # one if the next was killed in that stage again before it got that far. Finished stages leave nothing behind
+    # (their results are DVC's to keep).
+    for stage, after in resumable:
+        assert RESUMED[stage] in "".join(line for repro in repros[after:] for line in repro.lines), stage
+    for project in (uninterrupted, walked):
+        assert [path for path in (project.path / RESUME).rglob("*") if path.is_file()] == []
 
     assert results(walked) == results(uninterrupted)
     statuses = stage_run_statuses(walked)

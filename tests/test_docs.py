@@ -1,5 +1,6 @@
-"""The docs a user reads: every relative link of README.md and docs/*.md reaches a file of the repository (and a
-heading of it, for an #anchor), and every `make` target they name exists."""
+"""The docs a user reads: every relative link of README.md, docs/*.md and the result files they quote
+(bench/results/*.md) reaches a file of the repository (and a heading of it, for an #anchor), and every `make` target
+they name exists."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "bench/results").glob("*.md"))]
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 

@@ -253,8 +253,8 @@ def digits_records(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], object]) -> Path:
     """The directory `name`, filled by `build` once per test session, by whichever pytest-xdist worker asks first
     (the others wait for its lock): a run that several tests only read. A module-scoped fixture would run it once
-    in each worker, and again whenever a worker's order splits its tests (tests/test_tensor_pipeline.py's ranks ran
-    five times in one session)."""
+    in each worker, and again whenever a worker's order splits its tests (tests/test_tensor_pipeline.py's 2-rank run
+    was built six times in one session, its 4-rank run three times)."""
     base = tmp_path_factory.getbasetemp()
     shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # the session's, above the workers'
     out, done = shared / name, shared / f"{name}.done"

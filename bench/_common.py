@@ -201,12 +201,19 @@ def cpu_model() -> str:
 
 
 def header_line() -> str:
-    """Machine, date, load and the command line, for the top of a report."""
+    """Machine, date, load, the code's commit and the command line, for the top of a report."""
     cores = len(os.sched_getaffinity(0))
     load = ", ".join(f"{value:.2f}" for value in os.getloadavg())
     date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     command = shlex.join(["python", *sys.argv])
-    return f"{cores} cores ({cpu_model()}), {date}, load average {load}; command: `{command}`"
+    return f"{cores} cores ({cpu_model()}), {date}, load average {load}; commit {commit()}; command: `{command}`"
+
+
+def commit() -> str:
+    """The checkout's commit, `-dirty` when its tracked files were changed; `unknown` outside a git checkout."""
+    described = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=12"], cwd=PROJECT_ROOT,
+                               capture_output=True, text=True)
+    return described.stdout.strip() if described.returncode == 0 else "unknown"
 
 
 def markdown_table(headers: list[str], rows: list[list[str]]) -> str:

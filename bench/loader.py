@@ -271,7 +271,8 @@ def main() -> None:
         rates = interleaved(variants, args.repeats)
         text, raw = report(rates, dali.loader.num_samples, args)
     print(text)
-    write_json(args, text, raw)
+    # The augmented run (make bench's loader_recipe) gets a result file of its own beside the plain one of the day.
+    write_json(args, text, raw, topic="loader_augmented" if args.rand_augment or args.reprob else None)
 
 
 if __name__ == "__main__":

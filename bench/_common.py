@@ -223,10 +223,17 @@ def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join("| " + " | ".join(cell.ljust(w) for cell, w in zip(line, widths)) + " |" for line in lines)
 
 
+# The goal lines this process's report states, in order: its result file's JSON lists them (`goals`), and
+# run_all.py's summary of a `make bench` run is made from those lists.
+GOALS: list[str] = []
+GOAL_LINE = re.compile(r"(?P<text>.*): (?P<verdict>met|MISSED|not checked) \((?P<measured>.*)\)$")
+
+
 def goal(text: str, met: bool | None, measured: str) -> str:
     """One goal line; `met` None: not checked (what it needs did not run), `measured` says why."""
     verdict = "not checked" if met is None else "met" if met else "MISSED"
-    return f"{text}: {verdict} ({measured})"
+    GOALS.append(f"{text}: {verdict} ({measured})")
+    return GOALS[-1]
 
 
 def add_common_arguments(parser: argparse.ArgumentParser, *, repeats: int) -> None:
@@ -285,7 +292,7 @@ def write_json(args: argparse.Namespace, text: str, raw: dict, topic: str | None
     """The report, the options and the raw numbers: to --json PATH if given, and as the bench's dated result file
     (write_results; its topic the bench's name unless `topic` names a variant)."""
     if args.json is not None:
-        report = {"report": text, "args": plain_options(args), **raw}
+        report = {"report": text, "args": plain_options(args), "goals": GOALS, **raw}
         args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     write_results(args, topic or Path(sys.argv[0]).stem, text, raw)
 
@@ -353,7 +360,8 @@ def write_results(args: argparse.Namespace, topic: str, text: str, raw: dict) ->
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{topic}_{machine_slug()}_{datetime.date.today().isoformat()}.md"
     path.write_text(text + "\n", encoding="utf-8")
-    path.with_suffix(".json").write_text(json.dumps({"args": plain_options(args), **raw}, indent=2) + "\n", encoding="utf-8")
+    numbers = {"args": plain_options(args), "goals": GOALS, **raw}
+    path.with_suffix(".json").write_text(json.dumps(numbers, indent=2) + "\n", encoding="utf-8")
     print(f"written: {path.relative_to(folder.parent) if folder == RESULTS_DIR else path}", flush=True)
     return path
 

@@ -109,7 +109,6 @@ def report(full: Repro, noop: list[Repro], change: list[Repro], args: argparse.N
         "full": {"seconds": full.seconds, "stage_seconds": full.stage_seconds},
         "noop": [{"seconds": run.seconds, "stage_seconds": run.stage_seconds} for run in noop],
         "last_stage_change": [{"seconds": run.seconds, "stage_seconds": run.stage_seconds} for run in change],
-        "goals": goals,
     }
     return text, raw
 

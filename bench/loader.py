@@ -253,7 +253,7 @@ def report(rates: dict[str, list[float]], images: int, args: argparse.Namespace)
             "Goals: " + "; ".join(goals) + ".",
         ]
     )
-    return text, {"images_per_epoch": images, "img_per_s": rates, "median_img_per_s": medians, "goals": goals}
+    return text, {"images_per_epoch": images, "img_per_s": rates, "median_img_per_s": medians}
 
 
 def main() -> None:

@@ -334,8 +334,8 @@ def listing_section(listing: dict, repeats: int) -> list[str]:
     ]
 
 
-def report(raw: dict, args: argparse.Namespace) -> tuple[str, list[str]]:
-    """The report of the parts that ran, and its goal lines."""
+def report(raw: dict, args: argparse.Namespace) -> str:
+    """The report of the parts that ran."""
     text, goals = [header_line()], []
     if "stages" in raw:
         lines, line = stages_section(raw["stages"], args.tiny)
@@ -349,7 +349,7 @@ def report(raw: dict, args: argparse.Namespace) -> tuple[str, list[str]]:
         text += ["", *listing_section(raw["listing"], args.repeats)]
     if goals:  # the listing has none
         text += ["", "Goals: " + "; ".join(goals) + "."]
-    return "\n".join(text), goals
+    return "\n".join(text)
 
 
 def main() -> None:
@@ -370,9 +370,9 @@ def main() -> None:
             raw["growth"] = measure_growth(work, TINY_GROWTH if args.tiny else {}, args.epochs)
         if "listing" in args.parts:
             raw["listing"] = measure_listing(work, args.files, args.repeats)
-    text, goals = report(raw, args)
+    text = report(raw, args)
     print(text)
-    write_json(args, text, raw | {"goals": goals})
+    write_json(args, text, raw)
 
 
 if __name__ == "__main__":

@@ -239,7 +239,7 @@ def report(runs: dict[str, list[dict]], args: argparse.Namespace, train_images: 
         "",
         "Goals: " + "; ".join(goals) + ".",
     ])
-    return text, {"runs": runs, "median_img_per_s": medians, "goals": goals}
+    return text, {"runs": runs, "median_img_per_s": medians}
 
 
 def variants_to_run(args: argparse.Namespace, project: ProjectCopy, tree: Path, work: Path) -> dict:

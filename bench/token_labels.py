@@ -153,7 +153,7 @@ def report(
             "Goals: " + "; ".join(goals) + ".",
         ]
     )
-    raw = {"median_img_per_s": medians, "img_per_s": rates, "goals": goals}
+    raw = {"median_img_per_s": medians, "img_per_s": rates}
     return text, raw
 
 

@@ -216,7 +216,7 @@ def report(
             "Goals: " + "; ".join(goals) + ".",
         ]
     )
-    raw = {"median_img_per_s": medians, "img_per_s": rates, "img_per_cpu_s": cpu_rates, "goals": goals}
+    raw = {"median_img_per_s": medians, "img_per_s": rates, "img_per_cpu_s": cpu_rates}
     return text, raw
 
 

@@ -367,9 +367,19 @@ def test_rand_augment_tiny_times_each_op_both_ways() -> None:
     assert_cells(rows, NUMBER, NUMBER, RATIO)
 
 
+@pytest.fixture(scope="module")
+def run_all_tiny(tmp_path_factory) -> tuple[dict[str, str], Path]:
+    """`make bench`'s runner on two benches, tiny, writing their result files and its summary to a folder: each
+    bench's report (what its `## name` section printed) and the folder."""
+    results = tmp_path_factory.mktemp("results")
+    output = run_bench("run_all", "--only", "convert", "train_step", "--tiny", "--results", str(results))
+    sections = re.split(r"^## (\w+)$", output, flags=re.MULTILINE)[1:]
+    return dict(zip(sections[::2], sections[1::2])), results
+
+
 @pytest.mark.slow
-def test_convert_tiny_times_convert_against_copies(tmp_path: Path) -> None:
-    report = run_bench("convert", "--tiny", "--workdir", str(tmp_path))
+def test_convert_tiny_times_convert_against_copies(run_all_tiny) -> None:
+    report = run_all_tiny[0]["convert"]
     rows = first_table(report)
     assert [row[0] for row in rows] == ["convert", "raw copy + fsync", "raw copy"]
     assert_cells(rows, NUMBER, NUMBER, RATIO, RATIO, RANGE)
@@ -377,8 +387,22 @@ def test_convert_tiny_times_convert_against_copies(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_train_step_tiny_times_the_trainer_against_a_bare_loop() -> None:
-    report = run_bench("train_step", "--tiny")
+def test_run_all_summarises_every_goal_line_from_the_result_files(run_all_tiny) -> None:
+    reports, results = run_all_tiny
+    (summary,) = results.glob("bench_goals_*.md")
+    rows = first_table(summary.read_text())
+    for name, report in reports.items():
+        (written,) = results.glob(f"{name}_*.md")
+        assert json.loads(written.with_suffix(".json").read_text())["goals"] == goal_lines(report)
+        assert [[row[0], f"{row[1]}: {row[2]} ({row[3]})", row[4]] for row in rows if row[0] == name] == [
+            [name, line, f"[{written.name}]({written.name})"] for line in goal_lines(report)
+        ]
+    assert {row[0] for row in rows} == {"convert", "train_step"}
+
+
+@pytest.mark.slow
+def test_train_step_tiny_times_the_trainer_against_a_bare_loop(run_all_tiny) -> None:
+    report = run_all_tiny[0]["train_step"]
     rows = first_table(report)
     assert [row[0] for row in rows] == [
         "bare loop", "Trainer step", "Trainer epoch", "Trainer step + token labels",

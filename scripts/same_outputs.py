@@ -3,7 +3,10 @@ behaviour. Give it two project directories that ran the same stages with the sam
 pipeline at a commit before the change and at one after it: `bench/_common.ProjectCopy(..., source=tree)` makes a
 copy of another commit's tree). For every stage in both dvc.lock files, each output's DVC hash is compared; where
 they differ, a metrics file or plots folder is compared again without its timing fields (seconds and images per
-second change from run to run), anything else differs. Prints a table; exit 1 if anything differs.
+second change from run to run), and a token-label store again without its header's `inputs_digest` (a digest of
+what the store was made from, the stage's code files included, so that a killed run's chunks are resumed under the
+same code only: any code change, a move too, changes it by design; the labels are the store's arrays), anything else
+differs. Prints a table; exit 1 if anything differs.
 
 Run: python scripts/same_outputs.py BEFORE_DIR AFTER_DIR"""
 
@@ -52,9 +55,26 @@ def verdict(before: Path, after: Path, out: str, hashes: tuple[str, str]) -> str
     comparable = (before / out).is_dir() or Path(out).suffix == ".json"
     if out.startswith("metrics/") and comparable and untimed(before / out) == untimed(after / out):
         return "identical but timing"
-    if (before / out).is_dir():  # which of its files, for the reader to judge
-        return f"DIFFERS: {', '.join(differing_files(before / out, after / out))}"
+    if (before / out).is_dir():
+        differing = differing_files(before / out, after / out)
+        headers = header_without_inputs(before / out), header_without_inputs(after / out)
+        if set(differing) <= CODE_FINGERPRINTED and headers[0] is not None and headers[0] == headers[1]:
+            return "identical but the code's fingerprint"
+        return f"DIFFERS: {', '.join(differing)}"  # which of its files, for the reader to judge
     return "DIFFERS"
+
+
+# A token-label store's files that hold its inputs' digest: the header, and the students' dep file (the header's
+# sha256: coarse2fine.labels.store.write_student_deps).
+CODE_FINGERPRINTED = {"header.json", "enabled/true"}
+
+
+def header_without_inputs(store: Path) -> dict | None:
+    """A token-label store's header without `inputs_digest`; None for a folder that is not one."""
+    header = store / "header.json"
+    if not header.is_file():
+        return None
+    return {key: value for key, value in json.loads(header.read_text()).items() if key != "inputs_digest"}
 
 
 def differing_files(before: Path, after: Path) -> list[str]:

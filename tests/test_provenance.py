@@ -82,6 +82,27 @@ def test_same_outputs_tells_a_changed_output_from_a_run_s_timing(tmp_path):
     lock = tmp_path / "dvc.lock"
     assert missing.stderr == f"{lock}: no such file: run the pipeline in {tmp_path} first (dvc repro)\n"
 
+    # A token-label store whose header differs in its inputs' digest only (it hashes the stage's code files: a move
+    # changes it) holds the same labels; other labels, or another header field, differ.
+    def store_project(name: str, inputs_digest: str, labels: bytes, top_k: int = 5) -> Path:
+        path = tmp_path / name
+        (path / "data/token_labels/enabled").mkdir(parents=True)
+        header = json.dumps({"top_k": top_k, "records_digest": "r", "inputs_digest": inputs_digest})
+        (path / "data/token_labels/header.json").write_text(header)
+        (path / "data/token_labels/enabled/true").write_text(hashlib.sha256(header.encode()).hexdigest())
+        (path / "data/token_labels/log_probs.npy").write_bytes(labels)
+        outs = [{"path": "data/token_labels", "md5": f"{hashlib.md5(header.encode() + labels).hexdigest()}.dir"}]
+        (path / "dvc.lock").write_text(yaml.safe_dump({"schema": "2.0", "stages": {"token_labels": {"outs": outs}}}))
+        return path
+
+    labels = store_project("labels", "code-a", b"labels")
+    moved = compare(labels, store_project("moved", "code-b", b"labels"))
+    assert moved.returncode == 0 and "identical but the code's fingerprint" in moved.stdout, moved.stdout
+    relabelled = compare(labels, store_project("relabelled", "code-b", b"other labels"))
+    assert relabelled.returncode == 1 and "DIFFERS: enabled/true, header.json, log_probs.npy" in relabelled.stdout
+    fewer = compare(labels, store_project("fewer", "code-b", b"labels", top_k=3))
+    assert fewer.returncode == 1 and "DIFFERS: enabled/true, header.json |" in fewer.stdout, fewer.stdout
+
 
 def test_imports_are_followed_through_modules_packages_and_function_bodies():
     files = relative(provenance.code_files(ROOT / "stages/pretrain.py"))

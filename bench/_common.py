@@ -205,7 +205,9 @@ def header_line() -> str:
     cores = len(os.sched_getaffinity(0))
     load = ", ".join(f"{value:.2f}" for value in os.getloadavg())
     date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-    command = shlex.join(["python", *sys.argv])
+    script = Path(sys.argv[0]).resolve()  # as run from the project root: no path of this machine in a result file
+    script = script.relative_to(PROJECT_ROOT) if script.is_relative_to(PROJECT_ROOT) else script
+    command = shlex.join(["python", str(script), *sys.argv[1:]])
     return f"{cores} cores ({cpu_model()}), {date}, load average {load}; commit {commit()}; command: `{command}`"
 
 

@@ -109,7 +109,7 @@ def main() -> None:
         [
             header_line(),
             "",
-            f"{files} files, {size / 1e6:.0f} MB ({tree}); convert: 1 rank x {args.convert_workers} workers; "
+            f"{files} files, {size / 1e6:.0f} MB ({tree.name}); convert: 1 rank x {args.convert_workers} workers; "
             f"median of {args.repeats} interleaved runs after a warm-up run each.",
             "",
             markdown_table(

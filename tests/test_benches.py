@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -398,6 +399,12 @@ def test_run_all_summarises_every_goal_line_from_the_result_files(run_all_tiny) 
             [name, line, f"[{written.name}]({written.name})"] for line in goal_lines(report)
         ]
     assert {row[0] for row in rows} == {"convert", "train_step"}
+    # run_all starts each bench by its absolute path: the reports name it from the project root, and below their
+    # header line (the command as given) no path of this machine, not even of its temporary files.
+    for report in [summary.read_text(), *(path.read_text() for path in results.glob("[ct][or]*_*.md"))]:
+        header, body = report.split("\n", 1)
+        assert "; command: `python bench/" in header and str(PROJECT_ROOT) not in report, report
+        assert tempfile.gettempdir() + "/" not in body, body
 
 
 @pytest.mark.slow

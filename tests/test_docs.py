@@ -40,8 +40,8 @@ def test_every_make_target_the_docs_name_exists():
 
 
 # A file or folder of the repository as the docs name it (outputs of a run, such as data/ or models/, are not checked;
-# nor are patterns: the match stops at <, * and {).
-REPO_PATH = re.compile(r"(?<![\w./-])((?:stages|src|bench|scripts|tests|docs|profiles|\.ci)/[\w./-]*)")
+# nor are patterns, paths with a <placeholder>, * or {).
+REPO_PATH = re.compile(r"(?<![\w./-])((?:stages|src|bench|scripts|tests|docs|profiles|\.ci)/[\w./-]*)(?![\w./<*{-])")
 MODULE = re.compile(r"python -m (coarse2fine(?:\.\w+)*)")
 
 

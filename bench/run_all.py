@@ -66,7 +66,7 @@ def main() -> None:
             print(f"{name}: FAILED (see its stderr above)")
         print(flush=True)
     write_results(args, "bench_goals", summary(written, failed),
-                  {"reports": {name: str(path) if path else None for name, path in written.items()}, "failed": failed})
+                  {"reports": {name: path and path.name for name, path in written.items()}, "failed": failed})
     if failed:
         sys.exit(1)
 

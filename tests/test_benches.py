@@ -399,6 +399,9 @@ def test_run_all_summarises_every_goal_line_from_the_result_files(run_all_tiny) 
             [name, line, f"[{written.name}]({written.name})"] for line in goal_lines(report)
         ]
     assert {row[0] for row in rows} == {"convert", "train_step"}
+    assert json.loads(summary.with_suffix(".json").read_text())["reports"] == {  # beside it: named, not a path
+        name: next(results.glob(f"{name}_*.md")).name for name in ("convert", "train_step")
+    }
     # run_all starts each bench by its absolute path: the reports name it from the project root, and below their
     # header line (the command as given) no path of this machine, not even of its temporary files.
     for report in [summary.read_text(), *(path.read_text() for path in results.glob("[ct][or]*_*.md"))]:

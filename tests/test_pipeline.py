@@ -1,5 +1,5 @@
 """The whole pipeline under real DVC in a temporary git repository: caching, reruns on changed params, code and
-source images, a killed run resumed, experiments running their own code."""
+source images, experiments running their own code (a killed run resumed: tests/faults/test_kill_anywhere.py)."""
 
 from __future__ import annotations
 
@@ -15,15 +15,13 @@ import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import pytest
 import torch
-import yaml
 from PIL import Image
 
-from conftest import Project, merge, ran_stages
+from conftest import Project, ran_stages
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +29,7 @@ pytestmark = pytest.mark.slow
 # each full run short. The LR follows the linear scaling rule: 0.032 x 32 / 1024 = 1e-3. The student
 # pre-trains on the ground truth here (130 updates are too few for token labels and MixToken, measured 71 %),
 # at 16 px (2 x 2 tokens), then fine-tunes at 24 px (3 x 3 tokens) with token labels, MixToken and ground-truth
-# mixing, as the recipe does; test_killed_stages_resume_to_the_uninterrupted_result pre-trains on token labels.
+# mixing, as the recipe does; tests/faults/test_kill_anywhere.py pre-trains on token labels.
 FAST = {
     "data": {"subset": 0.3},
     "teacher": {"epochs": 3, "batch_size": 32, "optimizer": {"lr_base": 0.032}},
@@ -54,8 +52,6 @@ FINETUNED = {"finetune", "evaluate@finetune", "compare"}
 # fine-tuning (each launched stage costs seconds of start-up).
 COARSE_TARGET = "evaluate@pretrain"
 UP_TO_COARSE = EVERY_STAGE - FINETUNED - {"lineage"}
-EPOCHS_TO_KILL = 4
-RESUME = ".resume"  # where dvc.yaml has a killed stage keep what it resumes from
 # A behaviour change in a module pretrain and the teacher import (not their scripts): the ground-truth objective
 # stops learning.
 NO_LEARNING = (
@@ -74,16 +70,6 @@ def project(tmp_path) -> Project:
     project.edit_params(FAST)
     project.commit("fast params")
     return project
-
-
-def pretrained_weights(project: Project) -> dict[str, torch.Tensor]:
-    return torch.load(project.path / "models/pretrain/model.pt", weights_only=True)["model"]
-
-
-def model_hash(project: Project) -> str:
-    """DVC's hash of the pretrained model directory, as dvc.lock records it."""
-    lock = yaml.safe_load((project.path / "dvc.lock").read_text())
-    return next(out["md5"] for out in lock["stages"]["pretrain"]["outs"] if out["path"] == "models/pretrain")
 
 
 # make test-fast's whole DAG: every stage once on a tenth of the digits, an epoch per training stage.
@@ -373,80 +359,9 @@ def stage_run(project: Project, pipeline, stage: str):
     return run
 
 
-def kill_repro_when(project: Project, stage: str, ready: Callable[[], bool], poll_seconds: float = 0.1) -> None:
-    """`dvc repro --force --single-item <stage>`, SIGKILLed (dvc and every process under it) once `ready()`."""
-    dvc = subprocess.Popen(
-        ["dvc", "repro", "--force", "--single-item", stage], cwd=project.path, env=project.env,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )
-    try:
-        deadline = time.monotonic() + 300
-        while not ready():
-            assert dvc.poll() is None and time.monotonic() < deadline
-            time.sleep(poll_seconds)
-    finally:
-        os.killpg(dvc.pid, signal.SIGKILL)
-        dvc.wait(timeout=60)
-    time.sleep(1)  # the workers die with their launcher (PR_SET_PDEATHSIG), a moment after it
-
-
 def store_bytes(project: Project) -> dict[str, bytes]:
     root = project.path / "data/token_labels"
     return {path.relative_to(root).as_posix(): path.read_bytes() for path in sorted(root.rglob("*")) if path.is_file()}
-
-
-def test_killed_stages_resume_to_the_uninterrupted_result(project):
-    # Token labels in batches of one image: 16-record chunks, slow enough to be killed in the middle. Pretrain
-    # learns from them, with MixToken.
-    project.edit_params(merge(
-        {"token_labels": {"batch_size": 1}, "pretrain": {"epochs": EPOCHS_TO_KILL}, "finetune": {"epochs": 1}},
-        TOKEN_LABELS,
-    ))
-    assert project.repro(COARSE_TARGET) == UP_TO_COARSE
-    # Finished stages leave no resume state: their results are DVC's to keep.
-    assert list((project.path / RESUME).rglob("*")) == []
-    uninterrupted = pretrained_weights(project), model_hash(project), store_bytes(project)
-
-    # The same pretrain again from scratch, killed after its first epochs.
-    checkpoint = project.path / RESUME / "pretrain/last.pt"
-    kill_repro_when(
-        project, "pretrain", lambda: checkpoint.exists() and torch.load(checkpoint, weights_only=True)["epoch"] >= 2
-    )
-    killed = torch.load(checkpoint, weights_only=True)
-    killed_at = killed["epoch"]
-    assert killed_at < EPOCHS_TO_KILL and "token_labels_digest" in killed["inputs"]
-
-    # DVC's cache holds the uninterrupted run of these very inputs and would restore it (dvc.lock names it): --force
-    # makes DVC run the stage, as it does for inputs no run has finished.
-    output = project.run("dvc", "repro", "--force", "--single-item", "pretrain").stdout
-    assert f"resumed from epoch {killed_at}" in output, output
-    # Bit-identical weights: the model file hashes the same, so DVC leaves evaluate cached.
-    assert project.repro(COARSE_TARGET) == {"source"}
-    torch.testing.assert_close(pretrained_weights(project), uninterrupted[0], rtol=0, atol=0)
-    assert model_hash(project) == uninterrupted[1]
-    # The curves continue: DVC deleted the metrics files before the rerun, the checkpoint brought their history back.
-    history = (project.path / "metrics/pretrain/plots/metrics/val_top1.tsv").read_text().splitlines()[1:]
-    assert [int(row.split("\t")[0]) for row in history] == list(range(EPOCHS_TO_KILL))
-    assert not checkpoint.exists()
-
-    # The token labels again from scratch, killed after their first chunks. A chunk is done once its marker has its
-    # name: the kill may leave a marker being written, under its temporary name (the stage dies with the kill now
-    # that a world of one runs in the launcher's process).
-    markers = project.path / RESUME / "token_labels/done"
-
-    def chunks_done() -> int:
-        return len(list(markers.glob("chunk-*.json"))) if markers.is_dir() else 0
-
-    kill_repro_when(project, "token_labels", lambda: chunks_done() >= 2, poll_seconds=0.01)
-    done = chunks_done()
-    assert 2 <= done < 28 and not (project.path / "data/token_labels").exists()  # 434 records: 28 chunks
-
-    output = project.run("dvc", "repro", "--force", "--single-item", "token_labels").stdout
-    assert f"resuming, {done} of 28 chunks done" in output, output
-    # The same bytes: DVC sees the same store and leaves pretrain and evaluate cached.
-    assert project.repro(COARSE_TARGET) == {"source"}
-    assert store_bytes(project) == uninterrupted[2]
-    assert not markers.parent.exists()
 
 
 def test_a_student_without_token_labels_never_waits_for_them(project):

@@ -1,7 +1,10 @@
 """Kill anywhere: the whole pipeline under real DVC in a temporary git repository, each stage SIGKILLed once at a
-seeded random point inside it (dvc and every process under it), `dvc repro` run again each time. The pipeline
-finishes with byte-identical data and model artifacts and equal metrics to an uninterrupted run of another copy,
-and MLflow shows every killed run as resumed or KILLED, never as a second finished one.
+seeded random point inside it (dvc and every process under it), `dvc repro` run again each time. A stage that can
+resume (the training stages from their checkpoints, token labels from their finished chunks) is killed at that point
+or, if it has nothing to resume from yet, as soon as it has: every one of their reruns resumes (a kill before that
+only reruns a stage from scratch, as the stages that cannot resume show). The pipeline finishes with byte-identical
+data and model artifacts and equal metrics and curves to an uninterrupted run of another copy, and MLflow shows
+every killed run as resumed or KILLED, never as a second finished one.
 
 The kill points are drawn from C2F_TEST_KILL_SEED (default 0) inside each stage's span in the uninterrupted run, and
 printed (`pytest -s`, or with a failure's captured output): another seed kills elsewhere.
@@ -16,8 +19,10 @@ import signal
 import subprocess
 import threading
 import time
+from typing import Callable
 
 import pytest
+import torch
 import yaml
 
 from coarse2fine.labels import generate
@@ -80,6 +85,18 @@ class Repro:
             time.sleep(0.01)
         return True
 
+    def running(self) -> str | None:
+        """The stage that started last, None once the repro has ended."""
+        if self.process.poll() is not None:
+            return None
+        return max(self.started, key=self.started.get)
+
+    def wait_until(self, condition: Callable[[], bool], timeout: float = 600) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            assert time.monotonic() < deadline, f"waited {timeout} s:\n{self.output}"
+            time.sleep(0.01)
+
     def kill(self) -> None:
         os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait(timeout=60)
@@ -125,6 +142,12 @@ def left_to_resume(project: Project, stage: str) -> bool:
     finished chunks."""
     kept = project.path / RESUME / stage
     return (kept / train.CHECKPOINT_FILE).is_file() or any((kept / generate.DONE_DIR).glob("chunk-*.json"))
+
+
+def checkpoint_inputs(project: Project, stage: str) -> dict[str, str]:
+    """What the killed training `stage`'s checkpoint was made from (its fingerprint: a rerun resumes only from equal
+    inputs)."""
+    return torch.load(project.path / RESUME / stage / train.CHECKPOINT_FILE, weights_only=True)["inputs"]
 
 
 def stage_spans(repro: Repro, ended: float) -> dict[str, float]:
@@ -191,6 +214,8 @@ def test_each_stage_killed_anywhere_the_pipeline_ends_as_if_uninterrupted(tmp_pa
             landed.append(False)
             continue
         time.sleep(delay)
+        if stage in RESUMED:
+            repro.wait_until(lambda: left_to_resume(walked, stage) or repro.running() != stage)
         if repro.process.poll() is not None:  # the rest of the pipeline was faster here: nothing left to kill
             continue
         running = max(repro.started, key=repro.started.get)  # the stage the kill falls in
@@ -198,6 +223,8 @@ def test_each_stage_killed_anywhere_the_pipeline_ends_as_if_uninterrupted(tmp_pa
         left = left_to_resume(walked, running)
         if left:
             resumable.append((running, len(repros)))
+            if running == "pretrain":  # its checkpoint is of these token labels: other ones are never resumed
+                assert "token_labels_digest" in checkpoint_inputs(walked, running)
         print(f"seed {SEED}: dvc repro killed {delay:.2f} s into {stage} (uninterrupted: {span:.2f} s), in {running}"
               f"{', which left something to resume from' if left else ''}")
         landed.append(running == stage)
@@ -205,11 +232,13 @@ def test_each_stage_killed_anywhere_the_pipeline_ends_as_if_uninterrupted(tmp_pa
     repros[-1].finish()
     # Timings vary: a kill may fall in the next stage. Most must fall where they were aimed, or the test tests little.
     assert sum(landed) >= 2 / 3 * len(spans), landed
+    # The stages that the kills aimed at only once they could resume: pre-training (on token labels, with MixToken)
+    # and token labels left something behind.
+    assert {"pretrain", "token_labels"} <= {stage for stage, _ in resumable}, resumable
     # A rerun resumes what its killed run left (a run from scratch would reach the same results, only later): the
-    # training stages from their checkpoints, inside an epoch too, token labels from their finished chunks (where a
-    # kill falls before any, test_pipeline.py's kill test aims after them); said by the next repro, or by a later
-    # one if the next was killed in that stage again before it got that far. Finished stages leave nothing behind
-    # (their results are DVC's to keep).
+    # training stages from their checkpoints, inside an epoch too, token labels from their finished chunks; said by
+    # the next repro, or by a later one if the next was killed in that stage again before it got that far. Finished
+    # stages leave nothing behind (their results are DVC's to keep).
     for stage, after in resumable:
         assert RESUMED[stage] in "".join(line for repro in repros[after:] for line in repro.lines), stage
     for project in (uninterrupted, walked):

@@ -379,11 +379,19 @@ NEAR_EMPTY = {
     **{stage: {"epochs": 1} for stage in ("teacher", "pretrain", "finetune")},
     "evaluate": {"pretrain": {"extra_sizes": []}, "finetune": {"extra_sizes": []}},
 }
+# What every --tiny copy adds to its params: no MLflow model per training stage. Its torch.export took 3.6 s of a
+# near-empty pretrain stage's 5.9 (2 Intel Xeon cores, 2026-11-28), which the test suite's tiny runs paid about fifty
+# times; a bench's own runs keep the shipped tracking, as a user's stage has it (tests/test_pipeline.py checks the
+# logged and registered model).
+TINY_TRACKING = {"tracking": {"log_models": False}}
+# --tiny's near-empty copy: startup.py --tiny makes it, the other pipeline benches' --tiny reuse it.
+TINY_NEAR_EMPTY = {**NEAR_EMPTY, **TINY_TRACKING}
 NEAR_EMPTY_TINY = ("bench/startup.py's near-empty copy (data.subset 0.1, 1 epoch per training stage, no extra "
-                   "evaluation sizes; reused from a --workdir where startup.py --tiny ran)")  # --tiny's help
+                   "evaluation sizes, no MLflow models; reused from a --workdir where startup.py --tiny ran)")  # help
 # The digits copy of bench/optimizers.py --tiny and bench/scaling.py --tiny (a tenth of the digits at 32 px, the
 # schema's stem stride: 2 x 2 tokens), which runs only convert: one for both in a shared --workdir (project_copy).
-TINY_DIGITS = {"data": {"source": "digits", "subset": 0.1}, "model": {"patch_size": 8}, "pretrain": {"img_size": 32}}
+TINY_DIGITS = {"data": {"source": "digits", "subset": 0.1}, "model": {"patch_size": 8}, "pretrain": {"img_size": 32},
+               **TINY_TRACKING}
 COPY_DIR = "project"  # a bench's project copy in its --workdir
 
 

@@ -30,7 +30,7 @@ import json
 from pathlib import Path
 
 from _common import (
-    NEAR_EMPTY, ProjectCopy, add_tiny_argument, header_line, markdown_table, merge_params, project_copy, workspace,
+    TINY_NEAR_EMPTY, ProjectCopy, add_tiny_argument, header_line, markdown_table, merge_params, project_copy, workspace,
     write_json,
 )
 from coarse2fine.config import Params, load_params
@@ -88,7 +88,7 @@ def parse_args() -> argparse.Namespace:
                              "a knob's effect is this run's rows against a run without it, at the same seed")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the report and numbers here")
     add_tiny_argument(parser, "bench/startup.py's near-empty copy of the photos (data.subset 0.1, a 1-epoch teacher, "
-                              "no extra evaluation sizes; reused from a --workdir where startup.py --tiny ran), student "
+                              "no extra evaluation sizes, no MLflow models; reused from a --workdir where startup.py --tiny ran), student "
                               f"epochs coarse-to-fine {TINY_EPOCHS['coarse']} + {TINY_EPOCHS['fine']}, direct "
                               f"{TINY_EPOCHS['direct']}")
     args = parser.parse_args()
@@ -105,7 +105,7 @@ def main() -> None:
     results = {}
     with workspace(args.workdir) as work:
         copy_params = {**copy.deepcopy(PHOTOS), "seed": args.seed}
-        project = project_copy(work, merge_params(copy_params, NEAR_EMPTY) if args.tiny else copy_params)
+        project = project_copy(work, merge_params(copy_params, TINY_NEAR_EMPTY) if args.tiny else copy_params)
         params = load_params(project.path / "params.yaml")
         train_images = params.data.photos.train_per_class * len(sources.PHOTOS)
         for name in args.rows:

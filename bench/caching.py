@@ -19,8 +19,8 @@ import statistics
 from pathlib import Path
 
 from _common import (
-    NEAR_EMPTY, NEAR_EMPTY_TINY, Repro, add_tiny_argument, goal, header_line, markdown_table, project_copy, tiny_sizes,
-    workspace, write_json,
+    NEAR_EMPTY_TINY, TINY_NEAR_EMPTY, TINY_TRACKING, Repro, add_tiny_argument, goal, header_line, markdown_table,
+    project_copy, tiny_sizes, workspace, write_json,
 )
 
 GOAL_NOOP_SECONDS = 3.0
@@ -44,7 +44,7 @@ def parse_args() -> argparse.Namespace:
                              "(default: a temp dir)")
     add_tiny_argument(parser, f"{NEAR_EMPTY_TINY}, 1 round")
     args = parser.parse_args()
-    tiny_sizes(parser, args, subset=NEAR_EMPTY["data"]["subset"], epochs=1, repeats=1)
+    tiny_sizes(parser, args, subset=TINY_NEAR_EMPTY["data"]["subset"], epochs=1, repeats=1)
     return args
 
 
@@ -117,8 +117,8 @@ def main() -> None:
     args = parse_args()
     with workspace(args.workdir) as work:
         fast = {"data": {"subset": args.subset}, **{stage: {"epochs": args.epochs} for stage in ("teacher", "pretrain", "finetune")}}
-        if args.tiny:  # with the tiny sizes: NEAR_EMPTY, so the copy bench/startup.py --tiny left is reused
-            fast["evaluate"] = NEAR_EMPTY["evaluate"]
+        if args.tiny:  # with the tiny sizes: TINY_NEAR_EMPTY, so the copy bench/startup.py --tiny left is reused
+            fast |= {"evaluate": TINY_NEAR_EMPTY["evaluate"], **TINY_TRACKING}
         project = project_copy(work, fast)
         full = project.repro()
         noop, change = [], []

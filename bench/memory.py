@@ -46,8 +46,8 @@ import yaml
 from coarse2fine import stage_server
 
 from _common import (
-    NEAR_EMPTY, NEAR_EMPTY_TINY, PROJECT_ROOT, ProjectCopy, Repro, add_tiny_argument, goal, header_line,
-    markdown_table, merge_params, project_copy, read_metric, tiny_sizes, tree_stats, workspace, write_json,
+    NEAR_EMPTY_TINY, PROJECT_ROOT, TINY_NEAR_EMPTY, TINY_TRACKING, ProjectCopy, Repro, add_tiny_argument, goal,
+    header_line, markdown_table, merge_params, project_copy, read_metric, tiny_sizes, tree_stats, workspace, write_json,
 )
 
 SAMPLE_SECONDS = 0.05
@@ -56,7 +56,7 @@ GROWTH = 10  # the records of the larger pretrain run, x data.photos'
 GOAL_GROWTH_RATIO = 1.2
 # --tiny's growth copy: 18 train + 18 val patches at 1x, batches of 16 (a training epoch takes full batches only)
 TINY_GROWTH = {
-    "data": {"photos": {"train_per_class": 1, "val_per_class": 1}},
+    "data": {"photos": {"train_per_class": 1, "val_per_class": 1}}, **TINY_TRACKING,
     **{stage: {"batch_size": 16} for stage in ("teacher", "token_labels", "pretrain")},
 }
 IMAGENET_TRAIN, IMAGENET_VAL, IMAGENET_CLASSES = 1_281_167, 50_000, 1000
@@ -365,7 +365,7 @@ def main() -> None:
             os.environ[stage_server.SERVER_ENV] = str(stack.enter_context(stage_server.running()))
         if "stages" in args.parts:  # first: getrusage's children are then only this repro (and the copy's git)
             # tiny: the copy bench/startup.py --tiny left in the same --workdir
-            raw["stages"] = measure_stages(project_copy(work, NEAR_EMPTY if args.tiny else {}))
+            raw["stages"] = measure_stages(project_copy(work, TINY_NEAR_EMPTY if args.tiny else {}))
         if "growth" in args.parts:
             raw["growth"] = measure_growth(work, TINY_GROWTH if args.tiny else {}, args.epochs)
         if "listing" in args.parts:

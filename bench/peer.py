@@ -54,8 +54,8 @@ import time
 from pathlib import Path
 
 from _common import (
-    PROJECT_ROOT, ProjectCopy, add_results_argument, digits_tree, goal, header_line, markdown_table, read_column,
-    read_metric, workspace, write_json,
+    PROJECT_ROOT, TINY_TRACKING, ProjectCopy, add_results_argument, digits_tree, goal, header_line, markdown_table,
+    read_column, read_metric, workspace, write_json,
 )
 from coarse2fine.config import load_params
 
@@ -169,7 +169,7 @@ def prepared_project(work: Path, tree: Path, args: argparse.Namespace) -> Projec
     shutil.rmtree(work / "project", ignore_errors=True)
     params = {
         "data": {"source": "imagefolder", "root": str(tree)}, "pretrain": {"epochs": args.epochs},
-        "teacher": {"epochs": args.epochs, "img_size": DIGITS_SIZE},
+        "teacher": {"epochs": args.epochs, "img_size": DIGITS_SIZE}, **(TINY_TRACKING if args.tiny else {}),
     }
     project = ProjectCopy(work / "project", params)
     project.repro("token_labels")

@@ -24,8 +24,8 @@ from coarse2fine.stage_server import SERVER_ENV
 from coarse2fine.stage_server import running as running_stage_server
 
 from _common import (
-    COPY_DIR, NEAR_EMPTY, PROJECT_ROOT, ProjectCopy, Repro, add_tiny_argument, goal, header_line, markdown_table,
-    workspace, write_json,
+    COPY_DIR, NEAR_EMPTY, PROJECT_ROOT, TINY_NEAR_EMPTY, ProjectCopy, Repro, add_tiny_argument, goal, header_line,
+    markdown_table, workspace, write_json,
 )
 
 GOAL_SECONDS = 5.0
@@ -37,7 +37,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--before", metavar="REF", help="also time the stages of commit REF, interleaved")
     parser.add_argument("--repeats", type=int, default=3, metavar="N", help="forced reruns per copy (default: 3)")
-    add_tiny_argument(parser, "one copy, the first run's times only; the copy stays in --workdir for the other "
+    add_tiny_argument(parser, "one copy logging no MLflow models, the first run's times only; the copy stays in --workdir for the other "
                               "pipeline benches' --tiny (caching, ablation, memory; token_targets --project "
                               "DIR/project)")
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write the raw numbers (every repeat) as JSON")
@@ -104,7 +104,8 @@ def _goal(runs: list[Repro], text: str) -> str:
 def main() -> None:
     args = parse_args()
     with workspace(args.workdir) as work, tempfile.TemporaryDirectory(prefix="coarse2fine-before-") as old:
-        copies = {"after": ProjectCopy(work / COPY_DIR, NEAR_EMPTY)}  # where the other benches' --tiny find it
+        # where the other benches' --tiny find it
+        copies = {"after": ProjectCopy(work / COPY_DIR, TINY_NEAR_EMPTY if args.tiny else NEAR_EMPTY)}
         if args.tiny:  # the first run's times, in the environment's stage server if it has one (the test suite's)
             timed = {"after": [copies["after"].repro()]}
         else:

@@ -32,7 +32,7 @@ import statistics
 from pathlib import Path
 
 from _common import (
-    NEAR_EMPTY, ProjectCopy, add_tiny_argument, header_line, markdown_table, merge_params, project_copy, workspace,
+    TINY_NEAR_EMPTY, ProjectCopy, add_tiny_argument, header_line, markdown_table, merge_params, project_copy, workspace,
     write_json,
 )
 
@@ -54,7 +54,7 @@ STUDENT_COLUMNS = (
     ("pretrain", "top1", "pretrain @48"), ("pretrain", "top1_at_64", "pretrain @64"),
     ("finetune", "top1", "finetune @64"),
 )
-TINY = {**NEAR_EMPTY, "evaluate": {"pretrain": {"extra_sizes": [64]}, "finetune": {"extra_sizes": []}}}
+TINY = {**TINY_NEAR_EMPTY, "evaluate": {"pretrain": {"extra_sizes": [64]}, "finetune": {"extra_sizes": []}}}
 
 
 def parse_args() -> argparse.Namespace:
@@ -70,7 +70,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the report and numbers here")
     parser.add_argument("--report-from", type=Path, nargs="+", default=None, metavar="JSON",
                         help="train nothing: the report of earlier runs' --json files (e.g. one process per seed)")
-    add_tiny_argument(parser, "bench/startup.py's near-empty copy (data.subset 0.1, 1 epoch per training stage), "
+    add_tiny_argument(parser, "bench/startup.py's near-empty copy (data.subset 0.1, 1 epoch per training stage, no MLflow models), "
                               "teacher epochs 1, one seed")
     args = parser.parse_args()
     if args.tiny:

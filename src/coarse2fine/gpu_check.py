@@ -172,11 +172,10 @@ def loader_throughput(check: Check) -> tuple[Figures, str]:
 
 
 def dvc_pipeline(check: Check) -> tuple[Figures, str]:
-    from _common import NEAR_EMPTY, ProjectCopy, merge_params, read_metric
+    from _common import TINY_NEAR_EMPTY, ProjectCopy, merge_params, read_metric
 
-    # The dry run: bench/startup.py's near-empty copy, without logging each model to MLflow (seconds a stage).
-    tiny = merge_params(copy.deepcopy(NEAR_EMPTY), {"tracking": {"log_models": False}})
-    one_epoch = tiny if check.dry_run else {stage: {"epochs": 1} for stage in TRAINING_STAGES}
+    # The dry run: the near-empty copy of the benches' --tiny, without logging each model to MLflow (seconds a stage).
+    one_epoch = copy.deepcopy(TINY_NEAR_EMPTY) if check.dry_run else {stage: {"epochs": 1} for stage in TRAINING_STAGES}
     params = merge_params(one_epoch, {"launch": {"device": check.device.type}})
     project = ProjectCopy(check.work / "project", params)
     repro = project.repro()

@@ -39,10 +39,12 @@ repro: setup $(PLOTS_TEMPLATE)
 
 # The tests in TEST_WORKERS processes (pytest-xdist; one intra-op thread each, tests/conftest.py), stealing work
 # from each other's queues; then the timing-sensitive ones (marked serial) alone. Fails if either part failed.
+# PYTEST_ARGS go to both parts (`make test PYTEST_ARGS=--update-durations` refreshes tests/durations.json).
 TEST_WORKERS ?= 2
+PYTEST_ARGS ?=
 test: setup plots-if-node slurm
-	status=0; $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist worksteal -m "not serial" || status=$$?; \
-	  $(BIN)/python -m pytest -m serial || status=$$?; exit $$status
+	status=0; $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist worksteal -m "not serial" $(PYTEST_ARGS) || status=$$?; \
+	  $(BIN)/python -m pytest -m serial $(PYTEST_ARGS) || status=$$?; exit $$status
 
 # The fast tier, before every commit: the unit tests, one whole-DAG `dvc repro` on a tiny subset and one user
 # mistake through a 2-rank launch (the slow tests marked smoke); no serial ones.

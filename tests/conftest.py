@@ -39,13 +39,19 @@ GIT_IDENTITY = {
 
 def pytest_configure(config: pytest.Config) -> None:
     """The environment of every test and every process it starts (projects, stages, benches, DVC's queue workers):
-    the suite's git identity where the environment names none.
+    the suite's git identity where the environment names none, and an MLflow store of the process's own.
 
     Under `pytest -n N` (`make test` runs two workers on two cores), one intra-op thread in each worker and in
     every process it starts: two workers with a thread per core each would oversubscribe the cores, and OpenMP's
     spinning threads then slow each step manyfold. The tiny models here gain little from a second thread."""
     for name, value in GIT_IDENTITY.items():
         os.environ.setdefault(name, value)
+    # The MLflow store of whatever names none (a Trainer fitted in the test's process, a Tracker, a stage started
+    # without a project): a temporary one of this process, never a developer's (their shell's MLFLOW_TRACKING_URI,
+    # or the mlflow.db of the working directory, which is the repository's).
+    store = Path(tempfile.mkdtemp(prefix="coarse2fine-tests-mlflow-"))
+    os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{store / 'mlflow.db'}"
+    config.add_cleanup(lambda: shutil.rmtree(store, ignore_errors=True))
     if os.environ.get("PYTEST_XDIST_WORKER"):
         os.environ["OMP_NUM_THREADS"] = "1"
         torch.set_num_threads(1)
@@ -166,13 +172,19 @@ def _own_processes(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPat
         monkeypatch.delenv(SERVER_ENV, raising=False)
 
 
+# What the tests' params change of the schema's defaults: no MLflow model per training run, whose torch.export takes
+# 3-4 s of a short fit and was paid by every Trainer the tests fit in their own process. The tests of model logging
+# ask for it (test_tracking, test_predict; test_pipeline's registered result through DVC).
+TEST_DEFAULTS = {"tracking": {"log_models": False}}
+
+
 def make_params(**sections: Any) -> Params:
-    """Params from the schema defaults plus nested overrides, validated like params.yaml.
+    """Params from the schema defaults (and TEST_DEFAULTS) plus nested overrides, validated like params.yaml.
 
     `make_params(seed=1, data={"subset": 0.3, "digits": {"size": 32}})`: keys left out keep their defaults
     at every level.
     """
-    return parse_params(sections, "make_params")
+    return parse_params(merge(TEST_DEFAULTS, sections), "make_params")
 
 
 def cpu_runtime() -> Runtime:

@@ -236,7 +236,7 @@ def test_a_registered_mlflow_model_predicts_as_its_model_file(model_file, val_im
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     monkeypatch.chdir(tmp_path)
     model, card = models.load_model_file(model_file)
-    params = make_params(tracking={"experiment": "predict"})
+    params = make_params(tracking={"experiment": "predict", "log_models": True})
     tracker = Tracker("finetune", params, cpu_runtime(), metrics_dir=tmp_path / "metrics", param_sections=("model",))
     with tracker:
         tracker.log_model(model, card)

@@ -61,8 +61,9 @@ def client(store: Path) -> MlflowClient:
 
 
 def params_for(request: pytest.FixtureRequest, **sections):
-    """Params whose experiment (and registered model) are named after the test."""
-    return make_params(tracking={"experiment": request.node.name, "registered_model": request.node.name}, **sections)
+    """Params whose experiment (and registered model) are named after the test, logging models as shipped."""
+    tracking = {"experiment": request.node.name, "registered_model": request.node.name, "log_models": True}
+    return make_params(tracking=tracking, **sections)
 
 
 def history(store: Path, run_id: str, key: str) -> list[tuple[int, float]]:

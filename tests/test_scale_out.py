@@ -28,7 +28,7 @@ from coarse2fine.data.loaders import build_loader
 from coarse2fine.distributed import Runtime
 from coarse2fine.labels.store import write_store
 from coarse2fine.training import train
-from conftest import PROJECT_ROOT, Project, built_once, free_ports, make_params, merge
+from conftest import TEST_DEFAULTS, PROJECT_ROOT, Project, built_once, free_ports, make_params, merge
 from test_train import TIMING_METRICS
 
 
@@ -172,10 +172,9 @@ def start_stage(
     One thread per rank everywhere, so that every layout computes with the same kernels."""
     out.mkdir(parents=True, exist_ok=True)
     params = out / "params.yaml"
-    # No MLflow model (torch.export: 3-4 s of a short stage): the layouts and resumes are the subject here, and
-    # every rank still gathers the final model as with it on; tests/test_pipeline.py checks the logged model.
-    settings = {"data": {"source": "digits"}, "launch": launch_settings, "pretrain": PRETRAIN,
-                "tracking": {"log_models": False}}
+    # The tests' defaults (no MLflow model: the layouts and resumes are the subject; every rank still gathers the
+    # final model as with it on).
+    settings = merge(TEST_DEFAULTS, {"data": {"source": "digits"}, "launch": launch_settings, "pretrain": PRETRAIN})
     # Written whole, then renamed: the second of two agents sharing `out` must not truncate the file the first reads.
     written = params.with_suffix(".partial")
     written.write_text(yaml.safe_dump(merge(settings, changes or {})))

@@ -14,7 +14,9 @@ import io
 import itertools
 import json
 import os
+import resource
 import struct
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -216,8 +218,33 @@ TFRECORD_KINDS = {"byte": "bytes_list", "float": "float_list", "int": "int64_lis
 FRAME_HEADER, FRAME_FOOTER = 12, 4
 
 
+# At most this many shards open at once in each reading process (every DataLoader worker is one): ImageNet's 1,024
+# train shards, all open in each of 8 workers, passed the common soft limit of 1,024 open files ("Too many open
+# files"). Reads that stay in a shard (token-label generation's consecutive records) never reopen one; a permutation
+# over every record (the torch backend's train order) reopens on most reads: an open + close is ~5 us on a local disk
+# (bench/results/scale_*), one round trip to the server on NFS.
+MAX_OPEN_SHARDS = 64
+# What else a reading process holds open: Python's and the libraries' own files (about 20 seen), and in a DataLoader's
+# main process a few pipes per worker (45 in all seen with 4 workers and 16 batches in flight).
+OPEN_FILES_BESIDE_SHARDS, OPEN_FILES_PER_WORKER = 32, 4
+
+
+def require_open_file_limit(workers: int, key: str) -> None:
+    """One line naming the limit and `key` (the workers asked for) when the process's soft open-file limit cannot
+    hold what a ShardReader process and its DataLoader (`workers` processes) may keep open; raising the soft limit is
+    the user's call (ulimit -n), not ours."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    needed = MAX_OPEN_SHARDS + OPEN_FILES_BESIDE_SHARDS + OPEN_FILES_PER_WORKER * workers
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        raise UserError(
+            f"{key}: {workers} workers reading the records need up to {needed} open files a process, but the "
+            f"open-file limit is {soft} (ulimit -n); raise it (ulimit -n {max(1024, needed)}) or lower {key}"
+        )
+
+
 class ShardReader:
-    """Record k of shard s by position: the indices are read once (here), the files opened once per process."""
+    """Record k of shard s by position: the indices are read once (here); the files are opened as they are read, at
+    most MAX_OPEN_SHARDS at once per process (the least recently read is closed first)."""
 
     def __init__(self, shards: list[tuple[Path, Path]]):
         self.paths = [str(tfrecord) for tfrecord, _ in shards]
@@ -225,11 +252,11 @@ class ShardReader:
         self.frames = [np.loadtxt(index, dtype=np.int64, ndmin=2) for _, index in shards]
         # Position of each shard's first record in the split (records are numbered across shards in order).
         self.first_positions = list(itertools.accumulate((len(frames) for frames in self.frames), initial=0))
-        self._files: list[io.FileIO] = []
-        self._pid = -1  # the process that opened _files: a forked worker must open its own
+        self._files: OrderedDict[int, io.FileIO] = OrderedDict()  # shard -> its open file, least recently read first
+        self._pid = os.getpid()  # the process that opened _files: a forked worker closes its copies, opens its own
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_files": [], "_pid": -1}  # open files do not pickle (spawned workers)
+        return {**self.__dict__, "_files": OrderedDict(), "_pid": -1}  # open files do not pickle (spawned workers)
 
     def __len__(self) -> int:
         return self.first_positions[-1]
@@ -241,13 +268,30 @@ class ShardReader:
 
     def read(self, shard: int, k: int) -> dict:
         """The record as the tfrecord package decodes it (ints as 1-element int64 arrays, bytes as bytes)."""
-        if self._pid != os.getpid():
-            self._files = [open(path, "rb", buffering=0) for path in self.paths]
-            self._pid = os.getpid()
         offset, length = (int(value) for value in self.frames[shard][k])
-        frame = os.pread(self._files[shard].fileno(), length, offset)
+        frame = os.pread(self._file(shard).fileno(), length, offset)
         (size,) = struct.unpack_from("<Q", frame)
         if len(frame) != length or size != length - FRAME_HEADER - FRAME_FOOTER:
             raise RuntimeError(f"{self.paths[shard]}: record {k} at byte {offset} does not match its index entry")
         example = example_pb2.Example.FromString(frame[FRAME_HEADER:-FRAME_FOOTER])
         return extract_feature_dict(example.features, FEATURES, TFRECORD_KINDS)
+
+    def open_files(self) -> int:
+        return len(self._files)
+
+    def _file(self, shard: int) -> io.FileIO:
+        if self._pid != os.getpid():  # a forked worker: the parent's files are copies here, and count against its limit
+            self.close()
+            self._pid = os.getpid()
+        file = self._files.get(shard)
+        if file is not None:
+            self._files.move_to_end(shard)
+            return file
+        if len(self._files) >= MAX_OPEN_SHARDS:
+            self._files.popitem(last=False)[1].close()
+        file = self._files[shard] = open(self.paths[shard], "rb", buffering=0)
+        return file
+
+    def close(self) -> None:
+        while self._files:
+            self._files.popitem()[1].close()

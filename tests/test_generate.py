@@ -24,9 +24,11 @@ from coarse2fine.data import records
 from coarse2fine.data.convert import convert
 from coarse2fine.data.loaders import build_loader
 from coarse2fine.data.transforms import IDENTITY_AFFINE, IMAGE_MEAN, IMAGE_STD, RAND_AUGMENT_GEOMETRIC_OPS
+from coarse2fine.distributed import Runtime
 from coarse2fine.labels import store, targets
 from coarse2fine.labels.generate import (
-    IMAGENET_TRAIN_IMAGES, RELIABLE_DENSE_TOP1, TrainRecords, View, dense_head, generate, unreliable_teacher_warning,
+    DONE_DIR, IMAGENET_TRAIN_IMAGES, RELIABLE_DENSE_TOP1, TrainRecords, View, dense_head, generate,
+    unreliable_teacher_warning,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -124,12 +126,12 @@ def quadrant_records(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def generate_store(
     records_dir: Path, out: Path, *, view: str = "whole", head=colour_teacher, batch_size: int = 8, workers: int = 0,
-    **options,
+    runtime: Runtime | None = None, **options,
 ):
     return generate(
         head, records_dir, out_dir=out, work_dir=out.with_name(out.name + "_partial"),
-        view=View(view, 32, "bicubic"), top_k=2, batch_size=batch_size, workers=workers, runtime=cpu_runtime(),
-        autocast_dtype=None, inputs={"batch_size": batch_size}, header={}, **options,
+        view=View(view, 32, "bicubic"), top_k=2, batch_size=batch_size, workers=workers,
+        runtime=runtime or cpu_runtime(), autocast_dtype=None, inputs={"batch_size": batch_size}, header={}, **options,
     )
 
 
@@ -302,6 +304,56 @@ def patch_teacher(images: torch.Tensor) -> torch.Tensor:
     gives every digit the same class, its predictions differ between images and between cells."""
     patches = F.unfold(images, kernel_size=8, stride=8)  # [B, 3 x 8 x 8, 16]
     return (PATCH_WEIGHTS @ patches).unflatten(-1, (4, 4))
+
+
+def test_ranks_never_write_a_shared_file_while_making_their_chunks(digits_records, tmp_path):
+    """Two nodes writing neighbouring rows of one file through NFS each write back whole pages (of a mapping: 4 KiB
+    to a 2 MiB folio) and lose the other's rows where a page holds both: each chunk's rows go to a file of its own,
+    and rank 0 alone copies them into the store's arrays once every chunk is done. The ranks of a 2-rank run take
+    turns in one process here, each stopping where it would wait for the other: the arrays are still as allocated
+    after each; the store finished by a world of one has the bytes of an uninterrupted one-rank run."""
+    one_rank = generate_store(digits_records, tmp_path / "one" / "labels", head=patch_teacher)
+    out = tmp_path / "ranks" / "labels"
+    work_dir = out.with_name("labels_partial")
+    for rank in (0, 1):
+        with pytest.raises(RuntimeError, match="chunks without a marker"):
+            generate_store(
+                digits_records, out, head=patch_teacher,
+                runtime=Runtime(rank=rank, world_size=2, local_rank=rank, device=torch.device("cpu")),
+            )
+        arrays = store.open_arrays(work_dir, mode="r")
+        assert not arrays.log_probs.any() and not arrays.classes.any(), f"rank {rank} wrote into the shared arrays"
+    # 434 records, 4 chunks of 128: rank 0 of 2 made chunks 0 and 2, then rank 1 of 2 every other one left (3).
+    assert sorted(path.name for path in (work_dir / DONE_DIR).glob("chunk-*.npz")) == [
+        "chunk-000000.npz", "chunk-000002.npz", "chunk-000003.npz"
+    ]
+    resumed = generate_store(digits_records, out, head=patch_teacher)
+    assert resumed.generated == 128 and resumed.sums == pytest.approx(one_rank.sums)
+    assert store_bytes(out) == store_bytes(tmp_path / "one" / "labels")
+
+
+def test_a_run_killed_while_publishing_resumes_from_the_chunk_files(digits_records, tmp_path, monkeypatch):
+    """Every chunk done, the arrays assembled (or half): the rerun makes no label and assembles them again."""
+    whole = generate_store(digits_records, tmp_path / "whole" / "labels", head=patch_teacher)
+
+    def killed(*args) -> None:
+        raise Crash
+
+    monkeypatch.setattr("coarse2fine.labels.generate._publish", killed)
+    with pytest.raises(Crash):
+        generate_store(digits_records, tmp_path / "killed" / "labels", head=patch_teacher)
+    monkeypatch.undo()
+    resumed = generate_store(digits_records, tmp_path / "killed" / "labels", head=patch_teacher)
+    assert resumed.generated == 0 and resumed.sums == pytest.approx(whole.sums)
+    assert store_bytes(tmp_path / "killed" / "labels") == store_bytes(tmp_path / "whole" / "labels")
+
+
+def test_the_store_is_the_same_whatever_the_chunk_size(digits_records, tmp_path, monkeypatch):
+    """Rows are rows: chunks of 3 batches (the last one short) assemble into the bytes chunks of 16 do."""
+    generate_store(digits_records, tmp_path / "chunks16" / "labels", head=patch_teacher)
+    monkeypatch.setattr("coarse2fine.labels.generate.CHUNK_BATCHES", 3)
+    generate_store(digits_records, tmp_path / "chunks3" / "labels", head=patch_teacher)
+    assert store_bytes(tmp_path / "chunks3" / "labels") == store_bytes(tmp_path / "chunks16" / "labels")
 
 
 def test_store_metrics_and_header(digits_records, tmp_path):

@@ -12,12 +12,19 @@ exactly the area the loaders normalise their crop windows by; `center` (resize t
 the reference's view) misaligns map and windows on non-square images and exists for parity runs only.
 
 Resumable and rank-independent: the train records are cut into chunks of CHUNK_BATCHES batches, each a fixed
-set of rows; ranks share the chunks still to do, write their rows in place into memory-mapped arrays in the
-work directory, flush, and leave a marker per chunk. A rerun with the same inputs (fingerprint in
-`inputs.json`) skips the marked chunks; batches never depend on the rank count, so 1 or N ranks, killed or
-not, write the same bytes. When every chunk is done, rank 0 hard-links the arrays into the output directory
-(no copy, no extra disk), writes the header last and deletes the work directory: a finished store is DVC's to
-keep (its run cache restores it for the same inputs, say after token labeling was off everywhere and back on).
+set of rows; ranks share the chunks still to do, and each chunk's rows go whole into a file of their own
+(`done/chunk-NNNNNN.npz`, atomically), then its marker (`done/chunk-NNNNNN.json`). No two ranks ever write one
+file. Ranks on several nodes writing neighbouring rows of one shared file would each write back whole pages
+(an NFS client does for a mapping; a page is 4 KiB, 64 KiB or a 2 MiB folio), one node's rows lost where a page
+holds both; and chunks cannot be cut on such a unit instead: numpy's 128-byte header and rows of k x s x s x 2
+(or 4) bytes put the boundaries mid-page, and np.load refuses headers padded past 10,000 bytes. A rerun with
+the same inputs (fingerprint in `inputs.json`, with the rows per chunk) skips the marked chunks; batches never
+depend on the rank count, so 1 or N ranks, killed or not, write the same bytes. When every chunk is done,
+rank 0 alone copies the chunks' rows into the store's arrays (allocated at the start, so that a disk too small
+for them is said before any forward; the chunk files take as much again until the end), hard-links the
+arrays into the output directory, writes the header last and deletes the work directory: a finished store is
+DVC's to keep (its run cache restores it for the same inputs, say after token labeling was off everywhere and
+back on).
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+import numpy as np
 import torch
 from PIL import Image
 from timm.models.volo import VOLO
@@ -44,7 +52,7 @@ from coarse2fine.data import records
 from coarse2fine.data.transforms import IMAGE_MEAN, IMAGE_STD
 from coarse2fine.distributed import Runtime
 from coarse2fine.errors import UserError
-from coarse2fine.files import write_json
+from coarse2fine.files import atomic_path, write_json
 from coarse2fine.labels import store, targets
 from coarse2fine.progress import progress
 
@@ -241,6 +249,7 @@ def generate(
     of a teacher in eval mode on the device), resuming the chunks a killed run with the same `inputs` finished
     in `work_dir`."""
     out_dir, work_dir = Path(out_dir), Path(work_dir)
+    records.require_open_file_limit(workers, "loader.workers")
     dataset = TrainRecords(records_dir, view)
     num_classes = len(records.read_classes(records_dir))
     if top_k > num_classes:
@@ -250,13 +259,13 @@ def generate(
     num_chunks = -(-len(dataset) // chunk)
 
     if runtime.is_main:
-        resumed = _prepare_work_dir(work_dir, dict(inputs), (len(dataset), top_k, grid, num_classes))
+        # The rows per chunk are part of what a work dir was made with: its chunk files are cut by them.
+        made_with = {**inputs, "chunk_rows": chunk}
+        resumed = _prepare_work_dir(work_dir, made_with, (len(dataset), top_k, grid, num_classes))
         if resumed:
             print(f"token_labels: resuming, {resumed} of {num_chunks} chunks done ({work_dir})", flush=True)
     distributed.barrier()
     pending = [index for index in range(num_chunks) if not _marker(work_dir, index).exists()]
-    # A run killed after its last chunk has nothing left to write.
-    arrays = store.open_arrays(work_dir, mode="r+" if pending else "r")
     mine = pending[runtime.rank :: runtime.world_size]
 
     batches = [
@@ -273,18 +282,25 @@ def generate(
     generated = 0
     bar = progress(loader, total=len(batches), desc="token_labels", disable=not runtime.is_main)
     for (images, labels, indices), positions in zip(bar, batches):  # the bar first: it closes when exhausted
+        index = positions[0] // chunk
+        first, end = index * chunk, min((index + 1) * chunk, len(dataset))
+        if positions[0] == first:  # the chunk's first batch: its rows gather in memory, saved whole at its last
+            rows = store.StoreArrays(
+                np.empty((end - first, top_k, grid, grid), np.float16),
+                np.empty((end - first, top_k, grid, grid), store.class_dtype(num_classes)),
+            )
         images = images.to(runtime.device, non_blocking=True).contiguous(memory_format=runtime.image_memory_format)
         images = (images.float() - mean) / std
         autocast = torch.autocast(runtime.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None)
         with torch.inference_mode(), autocast:
             scores = head(images).float()
         log_probs, classes = scores.log_softmax(dim=1).topk(top_k, dim=1)
-        arrays.write(indices.numpy(), log_probs.to(torch.float16).cpu().numpy(), classes.cpu().numpy())
+        rows.write(indices.numpy() - first, log_probs.to(torch.float16).cpu().numpy(), classes.cpu().numpy())
         chunk_sums += label_statistics(scores, log_probs, classes, labels.to(scores.device))
         generated += len(indices)
-        if positions[-1] + 1 == min((positions[0] // chunk + 1) * chunk, len(dataset)):  # the chunk's last batch
-            arrays.flush()
-            write_json(_marker(work_dir, positions[0] // chunk), statistics_dict(chunk_sums))
+        if positions[-1] + 1 == end:  # the chunk's last batch
+            _save_rows(_rows_file(work_dir, index), rows)
+            write_json(_marker(work_dir, index), statistics_dict(chunk_sums))
             chunk_sums.zero_()
     runtime.synchronize()
     seconds = time.perf_counter() - start_time
@@ -295,13 +311,16 @@ def generate(
     stats = [json.loads(marker.read_text()) for marker in markers if marker.exists()]
     if len(stats) != num_chunks:
         raise RuntimeError(f"{work_dir}: {num_chunks - len(stats)} chunks without a marker after every rank finished")
+    cell_bytes = np.dtype(np.float16).itemsize + store.class_dtype(num_classes).itemsize
     result = Generation(
         sums={name: sum(item[name] for item in stats) for name in stats[0]},
         generated=int(totals[0]),
         seconds=float(totals[1]) / runtime.world_size,  # ranks run side by side: their mean wall time
-        bytes_per_image=arrays.log_probs[0].nbytes + arrays.classes[0].nbytes,
+        bytes_per_image=top_k * grid * grid * cell_bytes,
     )
     if runtime.is_main:
+        arrays = store.open_arrays(work_dir)
+        _assemble(work_dir, arrays, num_chunks, chunk)
         _publish(work_dir, out_dir, arrays, num_classes, header)
         shutil.rmtree(work_dir)  # the store's arrays are links of their own: nothing is copied or lost
     distributed.barrier()
@@ -318,6 +337,25 @@ def _grid(head: DenseHead, size: int, device: torch.device) -> int:
 
 def _marker(work_dir: Path, chunk: int) -> Path:
     return work_dir / DONE_DIR / f"chunk-{chunk:06d}.json"
+
+
+def _rows_file(work_dir: Path, chunk: int) -> Path:
+    return work_dir / DONE_DIR / f"chunk-{chunk:06d}.npz"
+
+
+def _save_rows(path: Path, rows: store.StoreArrays) -> None:
+    with atomic_path(path) as temporary, open(temporary, "wb") as file:  # np.savez would add .npz to a name
+        np.savez(file, log_probs=rows.log_probs, classes=rows.classes)
+
+
+def _assemble(work_dir: Path, arrays: store.StoreArrays, num_chunks: int, chunk: int) -> None:
+    """Copy every chunk's rows into `arrays`, in order: rank 0 alone, once every rank is done, so that no other
+    process writes the arrays. A run killed here assembles again from the chunk files, which stay till the end."""
+    for index in range(num_chunks):
+        with np.load(_rows_file(work_dir, index)) as rows:
+            log_probs, classes = rows["log_probs"], rows["classes"]
+        arrays.write(np.arange(index * chunk, index * chunk + len(log_probs)), log_probs, classes)
+    arrays.flush()
 
 
 def _prepare_work_dir(work_dir: Path, inputs: dict[str, Any], shape: tuple[int, int, int, int]) -> int:

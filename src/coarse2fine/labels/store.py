@@ -37,7 +37,7 @@ def class_dtype(num_classes: int) -> np.dtype:
 
 def allocate_arrays(directory: str | Path, records: int, top_k: int, grid: int, num_classes: int) -> StoreArrays:
     """Create the two arrays at full size (zeros), their disk blocks reserved (`files.preallocate`: a full disk is one
-    line now, not a SIGBUS when a chunk is written through the mapping), to be filled by row ranges."""
+    line now, not a SIGBUS when rows are written through the mapping), to be filled by row ranges."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     shape = (records, top_k, grid, grid)
@@ -56,8 +56,10 @@ def allocate_arrays(directory: str | Path, records: int, top_k: int, grid: int, 
 
 
 class StoreArrays(NamedTuple):
-    log_probs: np.memmap  # float16 [N, k, s, s]
-    classes: np.memmap  # int16 / int32 [N, k, s, s]
+    """A store's arrays, memory-mapped; or rows of them in memory (labels.generate's chunk of rows)."""
+
+    log_probs: np.ndarray  # float16 [N, k, s, s]
+    classes: np.ndarray  # int16 / int32 [N, k, s, s]
 
     def write(self, rows: np.ndarray, log_probs: np.ndarray, classes: np.ndarray) -> None:
         self.log_probs[rows] = log_probs

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import builtins
+import collections
 import io
 import os
 import re
@@ -372,6 +374,55 @@ def test_bad_trees_are_user_errors_naming_the_folder(tmp_path, breakage, named):
     params = make_params(data={"source": "imagefolder", "root": str(root), "train_shards": 1, "convert_workers": 1})
     with pytest.raises(UserError, match=re.escape(str(root / named))):
         convert(params, cpu_runtime(), tmp_path / "out")
+
+
+@pytest.mark.parametrize("unusable", [False, True], ids=["all usable", "some unusable"])
+def test_each_source_file_is_read_once_unless_some_are_unusable(tmp_path, monkeypatch, unusable):
+    """At ImageNet's size (~140 GB on NFS) a second read of the source is hours of I/O. Counted: every open of a
+    file under the source root, in the pool's forked workers too (they inherit the patched `open`, and append to
+    one log). An unusable file moves the index of every file after it, so a source with some is written twice:
+    the usable files are read again, the unusable ones not."""
+    root = build_image_folder(tmp_path / "images")
+    if not unusable:
+        for path in BAD:
+            (root / path).unlink()
+    listing = sources.list_imagefolder(root, subset=1.0, seed=0)
+    listed = [file.path for split in records.SPLITS for file in listing.files[split]]
+    log_path = tmp_path / "opens.log"
+    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    real_open = io.open
+
+    def counting_open(file, *args, **kwargs):
+        if isinstance(file, (str, os.PathLike)) and Path(file).is_relative_to(root):
+            os.write(log, f"{Path(file).relative_to(root).as_posix()}\n".encode())
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", counting_open)  # PIL's Image.open(path)
+    monkeypatch.setattr(io, "open", counting_open)  # pathlib's read_bytes, open
+    params = make_params(data={"source": "imagefolder", "root": str(root), "train_shards": 2, "convert_workers": 2})
+    try:
+        convert(params, cpu_runtime(), tmp_path / "out")
+    finally:
+        os.close(log)
+    opens = collections.Counter(log_path.read_text(encoding="utf-8").splitlines())
+    assert opens == {path: 2 if unusable and path in GOOD else 1 for path in listed}
+
+
+def test_unusable_files_change_no_record(tmp_path):
+    """The records written after a pass met unusable files are those of the source without them: nothing of the
+    first pass's order (every file taken as usable) is left in any shard or index."""
+    written = {}
+    for name in ("with", "without"):
+        root = build_image_folder(tmp_path / name / "images")
+        if name == "without":
+            for path in BAD:
+                (root / path).unlink()
+        data = {"source": "imagefolder", "root": str(root), "train_shards": 3, "val_shards": 2, "convert_workers": 2}
+        convert(make_params(data=data), cpu_runtime(), tmp_path / name / "out")
+        shards = sorted((tmp_path / name / "out").glob("*-of-*"))
+        written[name] = {path.name: path.read_bytes() for path in shards}
+    assert len(written["with"]) == 2 * (3 + 2)
+    assert written["with"] == written["without"]
 
 
 def test_more_shards_than_images_is_a_user_error(tmp_path):

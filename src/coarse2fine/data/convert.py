@@ -1,10 +1,17 @@
 """The convert stage: a source tree -> sharded TFRecords + indices + classes.json + manifest.json.
 
-Phase 1 checks every file, split across ranks and, within a rank, across a process pool: a JPEG that
-decodes and is baseline/progressive RGB or greyscale passes through byte for byte; other images PIL can
-decode are re-encoded as RGB JPEG; empty, truncated or undecodable files are skipped with a reason.
-Phase 2 writes the shards, split across ranks. Which file gets which index, and every byte written,
-depend only on the source and params, never on the number of ranks or workers.
+Shards go round-robin to ranks; a rank's process pool reads each file of a shard once, checks it and makes the
+bytes to store, while the rank writes them in record order: a JPEG that decodes and is baseline/progressive RGB
+or greyscale passes through byte for byte; other images PIL can decode are re-encoded as RGB JPEG; empty,
+truncated or undecodable files are skipped with a reason. (At ImageNet's size, ~140 GB on NFS, a check pass
+before the writing pass read everything twice.)
+
+Which file gets which index depends on which files are skipped (train is shuffled among the usable files, and
+a skipped file moves every index after it), and only decoding every file tells. So the first pass takes every
+listed file as usable; a rank that meets one that is not stops writing (it still checks the rest), and a
+second pass writes the shards without the skipped files, reading the others again: only a source with
+unusable files pays a second read. Which file gets which index, and every byte written, depend only on the
+source and params, never on the number of ranks or workers.
 """
 
 from __future__ import annotations
@@ -48,11 +55,11 @@ DECODE_ERRORS = (OSError, SyntaxError, ValueError, EOFError, Image.Decompression
 
 @dataclass(frozen=True)
 class Checked:
-    """Phase 1's verdict on one file."""
+    """A listed file and the verdict on it (`action` None until a read has checked it)."""
 
     split: str
     file: SourceFile
-    action: Literal["copy", "convert", "skip"]
+    action: Literal["copy", "convert", "skip"] | None = None
     width: int = 0
     height: int = 0
     reason: str = ""
@@ -69,12 +76,20 @@ def convert(params: Params, runtime: Runtime, out_dir: Path) -> dict[str, Any]:
             out_dir.mkdir(parents=True, exist_ok=True)
             records.clear(out_dir)  # a stale shard of an earlier run must not survive next to the new ones
         distributed.barrier()
+        checked = [Checked(split, file) for split in records.SPLITS for file in source.files[split]]
         with _worker_pool(data.convert_workers) as map_:
-            checked = _check_all(source, runtime, map_)
-            ordered = _record_order(checked, params.seed)
-            _require_usable(ordered, checked, source, params)
-            shards = _write_shards(ordered, source.root, params, runtime, out_dir, map_)
-    manifest = _manifest(source, params, checked, ordered, shards)
+            while True:  # until a pass meets no unusable file: twice at most, unless files vanish meanwhile
+                ordered = _record_order(checked, params.seed)
+                _require_usable(ordered, checked, source, params)
+                shards, verdicts = _write_shards(ordered, source.root, params, runtime, out_dir, map_)
+                verdict_of = {verdict.file: verdict for verdict in verdicts}
+                checked = [verdict_of.get(item.file, item) for item in checked]
+                unusable = sum(verdict.action == "skip" for verdict in verdicts)
+                if not unusable:
+                    break
+                if runtime.is_main:
+                    print(f"convert: {unusable} file(s) cannot be used; writing the shards without them", flush=True)
+    manifest = _manifest(source, params, checked, shards)
     if runtime.is_main:
         write_json(out_dir / records.CLASSES_FILE, list(source.classes))
         write_json(out_dir / records.MANIFEST_FILE, manifest)  # last: it marks the conversion complete
@@ -97,24 +112,37 @@ def _imap(pool: Pool, function: Callable, items: Iterable) -> Iterator:
     return pool.imap(function, items, chunksize=CHUNK_SIZE)
 
 
-def _check_all(source: Source, runtime: Runtime, map_: Callable) -> list[Checked]:
-    """Phase 1 on this rank's contiguous slice of all files; returns every rank's verdicts in file order."""
-    items = [(split, file) for split in records.SPLITS for file in source.files[split]]
-    start, end = (len(items) * rank // runtime.world_size for rank in (runtime.rank, runtime.rank + 1))
-    mine = items[start:end]
-    check = functools.partial(_check_file, source.root)
-    checked = progress(map_(check, mine), total=len(mine), desc="check", unit="img", disable=not runtime.is_main)
-    return [verdict for part in distributed.all_gather_objects(list(checked)) for verdict in part]
+def _stored(root: Path, quality: int, item: Checked) -> tuple[Checked, bytes | None]:
+    """From one read of a file, in a pool worker: its verdict and the JPEG bytes to store (None for a skip).
+
+    Reading in the workers keeps that many reads in flight (what NFS, latency-bound, needs); sending the bytes
+    back to the writer is a memory copy.
+    """
+    verdict, data = _read(root, item)
+    if verdict.action == "copy":
+        return verdict, data
+    if verdict.action == "convert":
+        return verdict, _reencoded(data, quality)
+    return verdict, None
 
 
-def _check_file(root: Path, item: tuple[str, SourceFile]) -> Checked:
-    split, file = item
+def _check_file(root: Path, item: Checked) -> Checked:
+    """A file's verdict, without the bytes to store: an earlier pass's, or from reading it now."""
+    return item if item.action else _read(root, item)[0]
+
+
+def _read(root: Path, item: Checked) -> tuple[Checked, bytes]:
+    """A file's bytes and the verdict on them: `item`'s own if an earlier pass checked it, else decided now."""
     try:
-        data = (root / file.path).read_bytes()
+        data = (root / item.file.path).read_bytes()
     except OSError as error:
-        return Checked(split, file, "skip", reason=f"unreadable: {error.strerror}")
+        return dataclasses.replace(item, action="skip", reason=f"unreadable: {error.strerror}"), b""
+    return (item if item.action else _checked(item, data)), data
+
+
+def _checked(item: Checked, data: bytes) -> Checked:
     if not data:
-        return Checked(split, file, "skip", reason="empty file")
+        return dataclasses.replace(item, action="skip", reason="empty file")
     try:
         with Image.open(io.BytesIO(data)) as image:
             width, height = image.size
@@ -124,11 +152,11 @@ def _check_file(root: Path, item: tuple[str, SourceFile]) -> Checked:
             image.draft(None, (1, 1))
             image.load()  # decodes all the data: Image.open alone reads only the header and misses truncation
             action = "copy" if _passes_through(image, data) else "convert"
-            return Checked(split, file, action, width, height)
+            return dataclasses.replace(item, action=action, width=width, height=height)
     except UnidentifiedImageError:  # its message names a memory address; keep the manifest reproducible
-        return Checked(split, file, "skip", reason="not an image PIL can read")
+        return dataclasses.replace(item, action="skip", reason="not an image PIL can read")
     except DECODE_ERRORS as error:
-        return Checked(split, file, "skip", reason=f"cannot decode: {type(error).__name__}: {error}")
+        return dataclasses.replace(item, action="skip", reason=f"cannot decode: {type(error).__name__}: {error}")
 
 
 def _passes_through(image: Image.Image, data: bytes) -> bool:
@@ -157,7 +185,8 @@ def _jpeg_frame_marker(data: bytes) -> int | None:
 
 
 def _record_order(checked: list[Checked], seed: int) -> dict[str, list[Checked]]:
-    """Per split, the good files in record-index order: val as listed (by class, then path), train shuffled.
+    """Per split, the files not known to be unusable, in record-index order: val as listed (by class, then path),
+    train shuffled.
 
     Shuffling train once here (seeded) makes every shard, and every reader's shuffle buffer, class-mixed.
     """
@@ -192,47 +221,66 @@ def _shard_bounds(count: int, num_shards: int) -> list[int]:
 
 def _write_shards(
     ordered: dict[str, list[Checked]], root: Path, params: Params, runtime: Runtime, out_dir: Path, map_: Callable
-) -> list[records.ShardInfo]:
-    """Phase 2: shards go round-robin to ranks; returns every rank's ShardInfo, in split and shard order."""
+) -> tuple[list[records.ShardInfo], list[Checked]]:
+    """One pass over this rank's shards (round-robin to ranks); returns every rank's ShardInfo, in split and shard
+    order, and the verdicts on every file in `ordered`.
+
+    An unusable file moves every index after it, so the rank writes nothing more in this pass (it is all written
+    again) but still checks the rest of its files: the next pass then knows every verdict.
+    """
     jobs = [(split, shard) for split in records.SPLITS for shard in range(_num_shards(params, split))]
     mine = jobs[runtime.rank :: runtime.world_size]
     bounds = {split: _shard_bounds(len(ordered[split]), _num_shards(params, split)) for split in records.SPLITS}
     total = sum(bounds[split][shard + 1] - bounds[split][shard] for split, shard in mine)
-    written = []
+    store = functools.partial(_stored, root, params.data.jpeg_quality)
+    check = functools.partial(_check_file, root)
+    written: list[records.ShardInfo] = []
+    verdicts: list[Checked] = []
+    writing = True
     with progress(total=total, desc="write", unit="img", disable=not runtime.is_main) as bar:
         for split, shard in mine:
             first, end = bounds[split][shard], bounds[split][shard + 1]
             items = ordered[split][first:end]
-            examples = (
-                records.example(
-                    image=image,
-                    label=item.file.label,
-                    index=index,
-                    height=item.height,
-                    width=item.width,
-                    path=item.file.path,
+            if writing:
+                stored = map_(store, items)
+                examples = (
+                    records.example(
+                        image=image,
+                        label=verdict.file.label,
+                        index=index,
+                        height=verdict.height,
+                        width=verdict.width,
+                        path=verdict.file.path,
+                    )
+                    for index, (verdict, image) in enumerate(_until_unusable(stored, verdicts), first)
                 )
-                for index, item, image in zip(range(first, end), items, _stored_images(items, root, params, map_))
-            )
-            info = records.write_shard(out_dir, split, shard, _num_shards(params, split), first, examples)
-            bar.update(info.count)
-            written.append(info)
-    everyone = [info for part in distributed.all_gather_objects(written) for info in part]
-    return sorted(everyone, key=lambda info: (records.SPLITS.index(info.split), info.first_index))
+                info = records.write_shard(out_dir, split, shard, _num_shards(params, split), first, examples)
+                verdicts.extend(verdict for verdict, _ in stored)  # the files after one that ended the shard early
+                writing = info.count == len(items)
+                written.append(info)
+            else:
+                verdicts.extend(map_(check, items))
+            bar.update(len(items))
+    everyone = distributed.all_gather_objects((written, verdicts))
+    shards = [info for part, _ in everyone for info in part]
+    shards.sort(key=lambda info: (records.SPLITS.index(info.split), info.first_index))
+    return shards, [verdict for _, part in everyone for verdict in part]
 
 
-def _stored_images(items: list[Checked], root: Path, params: Params, map_: Callable) -> Iterator[bytes]:
-    """The JPEG bytes stored for each checked file, in order: the file itself, read here (sending it through a
-    pool worker costs more than reading it), or its RGB re-encoding from the pool."""
-    reencode = functools.partial(_reencoded, root, params.data.jpeg_quality)
-    reencoded = map_(reencode, [item for item in items if item.action == "convert"])
-    for item in items:
-        yield (root / item.file.path).read_bytes() if item.action == "copy" else next(reencoded)
+def _until_unusable(
+    stored: Iterator[tuple[Checked, bytes | None]], verdicts: list[Checked]
+) -> Iterator[tuple[Checked, bytes]]:
+    """`stored` up to its first unusable file; each verdict taken from it (that file's too) goes to `verdicts`."""
+    for verdict, image in stored:
+        verdicts.append(verdict)
+        if image is None:
+            return
+        yield verdict, image
 
 
-def _reencoded(root: Path, quality: int, item: Checked) -> bytes:
-    """An RGB JPEG re-encoding of a checked file."""
-    with Image.open(root / item.file.path) as image:
+def _reencoded(data: bytes, quality: int) -> bytes:
+    """An RGB JPEG re-encoding of a checked image file's bytes."""
+    with Image.open(io.BytesIO(data)) as image:
         encoded = io.BytesIO()
         on_white_rgb(image).save(encoded, "JPEG", quality=quality)  # libjpeg output is deterministic
         return encoded.getvalue()
@@ -251,19 +299,17 @@ def _manifest(
     source: Source,
     params: Params,
     checked: list[Checked],
-    ordered: dict[str, list[Checked]],
     shards: list[records.ShardInfo],
 ) -> dict[str, Any]:
     splits = {}
     for split in records.SPLITS:
-        unreadable = [
-            Skipped(item.file.path, item.reason) for item in checked if item.split == split and item.action == "skip"
-        ]
+        listed = [item for item in checked if item.split == split]
+        unreadable = [Skipped(item.file.path, item.reason) for item in listed if item.action == "skip"]
         skipped = sorted(source.skipped[split] + unreadable, key=lambda item: item.path)
-        actions = collections.Counter(item.action for item in ordered[split])
-        per_class = collections.Counter(item.file.label for item in ordered[split])
+        actions = collections.Counter(item.action for item in listed)
+        per_class = collections.Counter(item.file.label for item in listed if item.action != "skip")
         splits[split] = {
-            "images": len(ordered[split]),
+            "images": actions["copy"] + actions["convert"],
             "passed_through": actions["copy"],
             "converted": actions["convert"],
             "per_class": {name: per_class[label] for label, name in enumerate(source.classes)},

@@ -29,7 +29,7 @@ from coarse2fine.config import Params
 from coarse2fine.data import records
 from coarse2fine.distributed import Runtime
 from coarse2fine.errors import UserError
-from coarse2fine.files import file_sha256
+from coarse2fine.files import file_sha256, project_path
 from coarse2fine.labels import store
 from coarse2fine.labels.generate import (
     REFERENCE_IMAGENET_BYTES, Generation, View, dense_head, generate, unreliable_teacher_warning,
@@ -138,8 +138,8 @@ def _importer(params: Params, args: argparse.Namespace, runtime: Runtime) -> Cal
         "records_digest": records.manifest_digest(args.records),
     }
     return functools.partial(
-        import_labels, args.records, cfg.import_dir, out_dir=args.out, top_k=cfg.top_k, batch_size=cfg.batch_size,
-        runtime=runtime, header=header,
+        import_labels, args.records, project_path(cfg.import_dir), out_dir=args.out, top_k=cfg.top_k,
+        batch_size=cfg.batch_size, runtime=runtime, header=header,
     )
 
 

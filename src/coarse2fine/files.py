@@ -51,6 +51,16 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         temporary.unlink(missing_ok=True)
 
 
+def project_path(path: str | Path) -> Path:
+    """A path from params (data.root, a weights file, token_labels.import_dir): an absolute one as given, a relative
+    one against the DVC project's root. DVC runs every stage command with DVC_ROOT set to the project's root, and a
+    queued or temporary experiment's (`dvc exp run --queue/--temp`, which run in a copy under .dvc/tmp/exps/) with
+    the root of the project it was queued from, so `data.root: data/imagenet` (a folder that git ignores, which no
+    experiment's copy holds) is found from both. Outside DVC: the working directory."""
+    path = Path(path)
+    return path if path.is_absolute() else Path(os.environ.get("DVC_ROOT", ".")) / path
+
+
 def temporaries_of(path: Path) -> list[Path]:
     """The temporary files atomic_path left beside `path` where its process was killed inside the block (SIGKILL
     runs no cleanup): as large as the file itself."""

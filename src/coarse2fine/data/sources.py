@@ -23,6 +23,7 @@ from PIL import Image
 from coarse2fine.config import Data, DigitsSource, PhotosSource
 from coarse2fine.data.records import SPLITS
 from coarse2fine.errors import UserError
+from coarse2fine.files import project_path
 
 # Extensions of the formats PIL can open (not just save); anything else is listed as skipped, not guessed at.
 IMAGE_SUFFIXES = frozenset(ext for ext, fmt in Image.registered_extensions().items() if fmt in Image.OPEN)
@@ -65,7 +66,9 @@ class Source:
 def open_source(data: Data, seed: int, scratch: Path) -> Source:
     """The images `data` describes; digits are first written as PNGs under `scratch` (caller's temp dir)."""
     if data.source == "imagefolder":
-        return list_imagefolder(Path(data.root), subset=data.subset, seed=seed)
+        source = list_imagefolder(project_path(data.root), subset=data.subset, seed=seed)
+        # data.root as written: the same records wherever the project (or an experiment's copy of it) sits
+        return dataclasses.replace(source, description={"kind": "imagefolder", "root": data.root})
     if data.source == "photos":
         write_photos(scratch, data.photos, seed)
         description = {"kind": "photos", **data.photos.model_dump()}

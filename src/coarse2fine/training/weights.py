@@ -18,7 +18,7 @@ from coarse2fine.data.loaders import Loader
 from coarse2fine.data.transforms import IMAGE_MEAN, IMAGE_STD, eval_transform
 from coarse2fine.distributed import Runtime
 from coarse2fine.evaluate import evaluate
-from coarse2fine.files import file_sha256
+from coarse2fine.files import file_sha256, project_path
 from coarse2fine.tracking.runs import Tracker
 
 
@@ -26,14 +26,15 @@ def start_from_weights(stage: str, cfg: config.Train, model: nn.Module) -> list[
     """Load `cfg.init_weights` into `model` (another class count: a new head; another size: the position embedding
     resampled) and return what was done, as lines to print."""
     what = f"{stage}.init_weights"
-    report = models.load_weights(model, cfg.init_weights, what, new_classes=True)
-    return [f"{what}: {line}" for line in report.lines(cfg.init_weights)]
+    path = project_path(cfg.init_weights)
+    report = models.load_weights(model, path, what, new_classes=True)
+    return [f"{what}: {line}" for line in report.lines(path)]
 
 
 def weights_digest(cfg: config.Train) -> dict[str, str]:
     """The provenance of a stage started from `init_weights` (after `start_from_weights` found the file): a
     checkpoint of a run started from other weights is stale."""
-    return {"init_digest": file_sha256(cfg.init_weights)} if cfg.init_weights else {}
+    return {"init_digest": file_sha256(project_path(cfg.init_weights))} if cfg.init_weights else {}
 
 
 def import_model(
@@ -44,7 +45,8 @@ def import_model(
     """`<stage>.mode: import`: load `cfg.weights` into `model` strictly (its size may differ: the position
     embedding is resampled), evaluate it, and write the stage's model file, metrics and MLflow run."""
     what = f"{stage}.weights"
-    notes = models.load_weights(model, cfg.weights, what).lines(cfg.weights)
+    path = project_path(cfg.weights)
+    notes = models.load_weights(model, path, what).lines(path)
     expected = getattr(model, "pretrained_cfg", {})
     if (expected.get("mean", IMAGE_MEAN), expected.get("std", IMAGE_STD)) != (IMAGE_MEAN, IMAGE_STD):
         notes.append(

@@ -32,6 +32,7 @@ from coarse2fine.errors import UserError
 from coarse2fine.evaluate import (
     EvalResult, count_batch, evaluate, write_confusion_matrix_png, write_per_class_json,
 )
+from coarse2fine.training.stage import stage_loaders
 
 STAGE = PROJECT_ROOT / "stages" / "evaluate.py"
 NUM_CLASSES = 10
@@ -220,6 +221,18 @@ def test_evaluate_agrees_with_scikit_learn_on_real_records(odd_records, model_fi
     # The fitted head makes this a real test: several classes predicted, some right, some wrong.
     assert (reference.confusion.sum(axis=0) > 0).sum() >= 5
     assert 20 < reference.top1 < 100 and reference.top1 < reference.top5 < 100
+
+
+def test_training_stages_validate_at_the_evaluation_batch_not_their_training_one(odd_records):
+    """Validation, and the evaluation of an imported model, run at evaluate.batch_size: a stage's training batch can
+    be tiny (VOLO-D5 at 512 trains at 4 a GPU), a forward without gradients needs a fraction of its memory."""
+    params = make_params(pretrain={"batch_size": 8}, evaluate={"batch_size": 50}, loader={"workers": 1})
+    for mode, splits in (("import", ["val"]), ("train", ["train", "val"])):
+        cfg = params.pretrain.model_copy(update={"mode": mode})
+        loaders = stage_loaders(params, cfg, odd_records, cpu_runtime(), cpu_runtime(), labels=None)
+        assert list(loaders) == splits
+        assert [len(batch["label"]) for batch in loaders["val"]] == [50, 50, ODD_VAL_RECORDS - 100]
+    assert len(next(iter(loaders["train"]))["label"]) == 8
 
 
 @pytest.mark.slow

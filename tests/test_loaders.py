@@ -47,9 +47,9 @@ VAL_BATCH = 8
 
 def make_loader(
     records_dir, split, backend, *, runtime=None, batch_size=16, augment=None, crop_pct=1.0, seed=0, workers=0,
-    prefetch=2,
+    prefetch=2, mmap="auto",
 ):
-    loader = {**LOADER_GRAPHS[backend], "workers": workers, "prefetch": prefetch}
+    loader = {**LOADER_GRAPHS[backend], "workers": workers, "prefetch": prefetch, "mmap": mmap}
     params = make_params(loader=loader, augment=augment or {})
     return build_loader(
         split,
@@ -257,11 +257,12 @@ def test_same_seed_and_epoch_give_identical_batches_and_resume(digits_records, b
     """Two fresh loaders agree bit for bit; epoch 1 of an uninterrupted run equals a fresh loader started at
     epoch 1 (resume); epochs differ in order. Every random augmentation on."""
     runtime = rank_runtime(1, 2)
-    uninterrupted = make_loader(digits_records, "train", backend, runtime=runtime, augment=FULL_AUGMENT)
+    # Another worker/thread count, prefetch depth and way of reading the files too: the stream must not depend on
+    # these speed knobs.
+    uninterrupted = make_loader(digits_records, "train", backend, runtime=runtime, augment=FULL_AUGMENT, mmap=True)
     first, second = epoch(uninterrupted, 0), epoch(uninterrupted, 1)
-    # Another worker/thread count and prefetch depth too: the stream must not depend on these speed knobs.
     resumed = make_loader(
-        digits_records, "train", backend, runtime=runtime, augment=FULL_AUGMENT, workers=2, prefetch=3
+        digits_records, "train", backend, runtime=runtime, augment=FULL_AUGMENT, workers=2, prefetch=3, mmap=False
     )
     for expected, actual in ((second, epoch(resumed, 1)), (first, epoch(resumed, 0))):
         assert_same_batches(expected, actual)
@@ -273,11 +274,77 @@ def test_same_seed_and_epoch_give_identical_batches_and_resume(digits_records, b
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_val_batches_are_the_same_whatever_the_workers_and_prefetch(digits_records, backend):
+def test_val_batches_are_the_same_whatever_the_workers_prefetch_and_mmap(digits_records, backend):
     """What evaluate and every stage's validation read: the speed knobs, which no stage lists, change no batch."""
-    expected = make_loader(digits_records, "val", backend, batch_size=32)
-    actual = make_loader(digits_records, "val", backend, batch_size=32, workers=2, prefetch=3)
+    expected = make_loader(digits_records, "val", backend, batch_size=32, mmap=True)
+    actual = make_loader(digits_records, "val", backend, batch_size=32, workers=2, prefetch=3, mmap=False)
     assert_same_batches(list(expected), list(actual))
+
+
+# /proc/self/mountinfo as a cluster node may show it: the root on local disk, shared storage over NFS with a local
+# scratch disk mounted inside it, Lustre at a mount point with a space (written \040), a FUSE object store, a
+# FUSE driver of a local disk, and an NFS export over-mounted by a local file system at the same point.
+MOUNT_TABLE = """\
+22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw
+31 22 0:45 / /shared rw,relatime shared:20 - nfs4 filer:/export/shared rw,vers=4.2
+32 31 8:17 / /shared/scratch rw,relatime shared:21 - xfs /dev/sdb1 rw
+33 22 0:46 / /mnt/lustre\\040data rw,relatime - lustre 10.0.0.1@o2ib:/fs rw,flock
+34 22 0:47 / /buckets rw,nosuid,nodev shared:30 master:2 - fuse.gcsfuse imagenet rw,user_id=0
+35 22 8:33 / /windows rw,relatime - fuseblk /dev/sdc1 rw
+36 22 0:48 / /data rw,relatime - nfs filer:/data rw
+37 22 8:49 / /data rw,relatime - ext4 /dev/sdd1 rw
+"""
+
+
+@pytest.mark.parametrize(
+    ("path", "fs_type", "network"),
+    [
+        ("/", "ext4", False),
+        ("/home/user/records/train-00000.tfrecord", "ext4", False),
+        ("/shared/imagenet/train-00000.tfrecord", "nfs4", True),
+        ("/shared", "nfs4", True),
+        ("/sharedx/train-00000.tfrecord", "ext4", False),  # a prefix of the name is not a mount point above it
+        ("/shared/scratch/train-00000.tfrecord", "xfs", False),  # the longest mount point above the path wins
+        ("/mnt/lustre data/train-00000.tfrecord", "lustre", True),
+        ("/mnt/lustre/train-00000.tfrecord", "ext4", False),
+        ("/buckets/train-00000.tfrecord", "fuse.gcsfuse", True),
+        ("/windows/train-00000.tfrecord", "fuseblk", False),
+        ("/data/train-00000.tfrecord", "ext4", False),  # the later mount at a point hides the earlier
+    ],
+)
+def test_the_file_system_of_a_path_is_read_from_the_mount_table(path, fs_type, network):
+    assert dali_backend.file_system_type(path, MOUNT_TABLE) == fs_type
+    assert dali_backend.is_network_file_system(fs_type) is network
+
+
+def reader_arguments(loader) -> dict:
+    """The arguments DALI's tfrecord reader is given in `loader`'s pipeline (its epoch 0's; defined, not built)."""
+    backend = loader._impl
+    pipeline = backend._define(backend._shards, seed=0)
+    with dali_backend._without_dali_alias_warnings():
+        pipeline._build_graph()  # DALI's graph definition only (private, pinned DALI)
+    (reader,) = [op._op for op in pipeline._ops if op._op.schema.Name() == "readers___TFRecord"]
+    return reader._init_args
+
+
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_records_on_a_network_file_system_are_read_without_mmap(digits_records, split, tmp_path, monkeypatch):
+    """loader.mmap auto: DALI's reader gets dont_use_mmap where the records lie on NFS (its documentation's advice),
+    maps them on a local disk; true and false are obeyed whatever the file system."""
+    records_dir = os.path.realpath(digits_records)  # as the mount table names it: links resolved
+    table = tmp_path / "mountinfo"
+    monkeypatch.setattr(dali_backend, "MOUNT_TABLE", table)
+    for records_fs, mmap, mapped in [
+        ("nfs4", "auto", False), ("ext4", "auto", True), ("nfs4", True, True), ("ext4", False, False),
+    ]:
+        escaped = records_dir.replace("\\", "\\134").replace(" ", "\\040")
+        table.write_text(
+            "22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw\n"
+            f"31 22 0:45 / {escaped} rw,relatime shared:20 - {records_fs} filer:/records rw\n"
+        )
+        loader = make_loader(digits_records, split, "dali", mmap=mmap)
+        assert loader._impl.maps_records is mapped, (records_fs, mmap)
+        assert reader_arguments(loader)["dont_use_mmap"] is not mapped, (records_fs, mmap)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

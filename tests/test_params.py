@@ -54,6 +54,8 @@ def test_shipped_params_are_valid_and_document_every_training_knob():
         ("data.subset", 1.5, "data.subset: Input should be less than or equal to 1 (got 1.5)"),
         ("data.subset", 0.0, "data.subset: Input should be greater than 0 (got 0.0)"),
         ("data.source", "s3", "data.source: Input should be 'digits', 'photos' or 'imagefolder' (got 's3')"),
+        ("loader.mmap", "yes", "loader.mmap: Input should be 'auto', True or False (got 'yes')"),
+        ("evaluate.batch_size", 0, "evaluate.batch_size: Input should be greater than 0 (got 0)"),
         ("pretrain.img_size", 36, "pretrain.img_size: 36 is not divisible by the model's token stride 8"),
         ("finetune.img_size", 36, "finetune.img_size: 36 is not divisible by the model's token stride 8"),
         ("evaluate.finetune.extra_sizes", [40, 33], "evaluate.finetune.extra_sizes: 33 is not divisible by the model's token stride 8"),

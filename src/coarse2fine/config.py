@@ -167,6 +167,10 @@ class Loader(Section):
     # finishes the batch (1.7x faster there: data/dali_backend.py). all_dali: the GPU's graph wherever it runs, so
     # a CPU can run, and the suite checks, exactly what a GPU runs.
     dali_graph: Literal["auto", "all_dali"] = "auto"
+    # Whether DALI's readers map the record files into memory. auto: mapped on a local file system, read with plain
+    # file I/O on a network or FUSE one (NFS, Lustre, GPFS, CIFS, ...), as DALI's documentation advises
+    # (data/dali_backend.py, `maps_records`); true / false: always / never mapped. The same bytes either way.
+    mmap: Literal["auto", True, False] = "auto"
 
 
 # timm's RandAugment levels run 0..10 (its _LEVEL_DENOM), which is also its default magnitude.
@@ -583,6 +587,11 @@ class ModelEvaluation(Section):
 
 
 class Evaluate(Section):
+    # Per device, of every evaluation: the evaluate stage's and each training stage's validation at an epoch's end
+    # (and of an imported model), whatever that stage's training batch. 256: sail-sg/volo's and timm's validate.py
+    # default (-b). It changes which samples share a forward, so no count, only the float rounding of the mean loss
+    # (tests/test_evaluate.py): the training stages do not list it (changing it reruns none of them and keeps their
+    # checkpoints resumable, e.g. to lower it after a validation ran out of memory).
     batch_size: int = Field(256, gt=0)
     pretrain: ModelEvaluation = ModelEvaluation()
     finetune: ModelEvaluation = ModelEvaluation()

@@ -34,9 +34,11 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
+import re
 import warnings
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Literal
 
 import torch
 import torch.nn.functional as F
@@ -73,10 +75,11 @@ ERASE_ASPECT = (0.3, 1 / 0.3)
 # The train reader's shuffle buffer in records (its initial_fill; DALI's default is 1024): each batch is drawn from it
 # as the shards stream through in the epoch's order, so it spans 13 ImageNet shards (1,251 records each). Simulated
 # at ImageNet scale on 8 ranks (128 shards a rank), two records that shared a batch share one again the next epoch
-# 1.1x as often as under a true permutation (8192: 1.6x; 1024: 25x). Memory: DALI maps buffered records from the
-# files (page cache) while its mapping reservations fit in half of vm.max_map_count (32765 by default: one train
-# buffer fits, two at once do not); otherwise it copies them, 16384 x ~110 KB ImageNet JPEGs = 1.8 GB a rank, read
-# before the first batch (4.4 s against 0.03 s mapped, measured on 2 CPU cores).
+# 1.1x as often as under a true permutation (8192: 1.6x; 1024: 25x). Memory: where the files are mapped (`maps_records`:
+# a local file system), DALI maps buffered records from the files (page cache) while its mapping reservations fit in
+# half of vm.max_map_count (32765 by default: one train buffer fits, two at once do not); otherwise, and always where
+# they are read with plain file I/O (a network file system), it copies them, 16384 x ~110 KB ImageNet JPEGs = 1.8 GB
+# a rank, read before the first batch (4.4 s against 0.03 s mapped, measured on 2 CPU cores).
 SHUFFLE_BUFFER = 16384
 # DALI's simple executor: run() computes its batch there and then, on DALI's threads. On a CPU it costs about 20 %
 # less CPU per 224 px image than DALI's default asynchronous executor (2.2-2.5 against 2.8-3.2 ms, measured on 2
@@ -89,6 +92,17 @@ FEATURES = {
     "label": tfrec.FixedLenFeature([], tfrec.int64, -1),
     "index": tfrec.FixedLenFeature([], tfrec.int64, -1),
 }
+# DALI's readers map their files unless given `dont_use_mmap`: "Mapping provides a small performance benefit when
+# accessing a local file system, but most network file systems, do not provide optimum performance" (DALI 2.4's
+# documentation of fn.readers.tfrecord, dont_use_mmap). These file system types (the kernel's names in the mount table)
+# are read with plain file I/O under `loader.mmap: auto`: network and cluster file systems, and FUSE mounts ("fuse",
+# "fuse.<program>": s3fs, gcsfuse, sshfs, ceph-fuse, ... mostly remote storage served by a user-space program).
+# "fuseblk" (a FUSE driver of a local disk, e.g. ntfs-3g) stays mapped.
+NETWORK_FILE_SYSTEMS = frozenset({
+    "nfs", "nfs4", "lustre", "gpfs", "cifs", "smb3", "smbfs", "ceph", "glusterfs", "beegfs", "9p", "afs", "pvfs2",
+    "orangefs", "wekafs", "panfs", "fuse",
+})
+MOUNT_TABLE = Path("/proc/self/mountinfo")  # Linux's mounts as this process sees them (DALI runs on Linux only)
 
 
 def decoder_device(settings: LoaderSettings) -> str:
@@ -108,9 +122,46 @@ def finishes_on_host(settings: LoaderSettings) -> bool:
     return settings.split == "train" and decoder_device(settings) == "cpu" and settings.loader_cfg.dali_graph == "auto"
 
 
-def read_records(files: list[str], index_files: list[str], shard_id: int, num_shards: int, shuffle: bool):
+def file_system_type(path: str, mount_table: str) -> str:
+    """The type of the file system holding `path` (absolute, links resolved) by the text of /proc/self/mountinfo:
+    the mount with the longest mount point above `path`, the later of two at one point (it hides the earlier).
+    A line: id, parent, major:minor, root, mount point, options, optional fields, "-", type, source, options."""
+    found, found_length = "", -1
+    for line in mount_table.splitlines():
+        fields = line.split()
+        if "-" not in fields[6:]:
+            continue
+        # Spaces, tabs, newlines and backslashes in the mount point are written as octal escapes (\040, ...).
+        mount_point = re.sub(r"\\([0-7]{3})", lambda escape: chr(int(escape.group(1), 8)), fields[4])
+        inside = path == mount_point or path.startswith(mount_point.rstrip("/") + "/")
+        if inside and len(mount_point) >= found_length:
+            found, found_length = fields[fields.index("-", 6) + 1], len(mount_point)
+    return found
+
+
+def is_network_file_system(fs_type: str) -> bool:
+    return fs_type in NETWORK_FILE_SYSTEMS or fs_type.startswith("fuse.")
+
+
+def maps_records(setting: Literal["auto", True, False], files: list[str]) -> bool:
+    """Whether DALI maps the record `files`, by `loader.mmap`: true / false as given; auto: unless one of them (links
+    resolved: DVC may link them from a cache elsewhere) lies on a network or FUSE file system (NETWORK_FILE_SYSTEMS).
+    Mapped where the mount table cannot be read, as DALI does by default."""
+    if setting != "auto":
+        return setting
+    try:
+        table = MOUNT_TABLE.read_text(encoding="utf-8", errors="surrogateescape")
+    except OSError:
+        return True
+    return not any(is_network_file_system(file_system_type(os.path.realpath(file), table)) for file in files)
+
+
+def read_records(
+    files: list[str], index_files: list[str], shard_id: int, num_shards: int, shuffle: bool, use_mmap: bool = True
+):
     # pad_last_batch: a rank's last batch is filled up with its last record (which the iterator drops), not with
     # the next rank's records. The shuffle draws from a buffer of SHUFFLE_BUFFER records (ignored without it).
+    # use_mmap: `maps_records` (DALI's own default: mapped).
     return fn.readers.tfrecord(
         path=files,
         index_path=index_files,
@@ -120,6 +171,7 @@ def read_records(files: list[str], index_files: list[str], shard_id: int, num_sh
         random_shuffle=shuffle,
         initial_fill=SHUFFLE_BUFFER,
         pad_last_batch=True,
+        dont_use_mmap=not use_mmap,
         name=READER_NAME,
     )
 
@@ -282,9 +334,9 @@ def train_pipeline(augment: Augment, rand_spec: RandAugmentSpec | None, finish_o
 @pipeline_def
 def _train_graph(
     files, index_files, shard_id, num_shards, img_size, augment: Augment, rand_spec: RandAugmentSpec | None, device,
-    finish_on_host: bool,
+    finish_on_host: bool, use_mmap: bool = True,
 ):
-    record = read_records(files, index_files, shard_id, num_shards, shuffle=True)
+    record = read_records(files, index_files, shard_id, num_shards, shuffle=True, use_mmap=use_mmap)
     image_hw = stored_shape(record["image"])
     crop_anchor, crop_shape = fn.random_crop_generator(
         image_hw, random_area=augment.scale, random_aspect_ratio=augment.ratio
@@ -365,8 +417,10 @@ class HostFinish:
 
 
 @pipeline_def
-def val_pipeline(files, index_files, shard_id, num_shards, img_size, crop_pct, interpolation, device):
-    record = read_records(files, index_files, shard_id, num_shards, shuffle=False)
+def val_pipeline(
+    files, index_files, shard_id, num_shards, img_size, crop_pct, interpolation, device, use_mmap: bool = True
+):
+    record = read_records(files, index_files, shard_id, num_shards, shuffle=False, use_mmap=use_mmap)
     image_hw = stored_shape(record["image"])
     image = fn.decoders.image(record["image"], device=device, output_type=types.RGB, adjust_orientation=False)
     image = fn.resize(
@@ -383,6 +437,7 @@ class DaliBackend:
         self._settings = settings
         self._shards = shards
         self._host_finish = HostFinish(settings) if finishes_on_host(settings) else None
+        self.maps_records = maps_records(settings.loader_cfg.mmap, [str(tfrecord) for tfrecord, _ in shards])
 
     def batches(self, epoch: int, start_batch: int = 0) -> Iterator[dict[str, torch.Tensor]]:
         """From batch `start_batch` on: the pipeline runs through the batches before it (its readers and random
@@ -430,6 +485,7 @@ class DaliBackend:
             index_files=[str(index) for _, index in shards],
             shard_id=settings.runtime.rank,
             num_shards=settings.runtime.world_size,
+            use_mmap=self.maps_records,
             img_size=settings.img_size,
             device=decoder_device(settings),
         )

@@ -11,7 +11,7 @@ from typing import Sequence
 
 from coarse2fine import config, distributed, models, provenance
 from coarse2fine.data import records
-from coarse2fine.data.loaders import build_loader
+from coarse2fine.data.loaders import build_loader, Loader
 from coarse2fine.files import file_sha256
 from coarse2fine.labels import store
 from coarse2fine.mesh import ParallelDims
@@ -58,16 +58,7 @@ def _train_stage(
     with distributed.session(params.launch.device) as runtime:
         # The ranks of one tensor or pipeline group train on the same batches, seeded alike (coarse2fine.mesh).
         data_runtime = runtime.data_view(ParallelDims.of_run(params.parallel, runtime.world_size))
-        loaders = {
-            split: build_loader(
-                split, paths.records, img_size=cfg.img_size, batch_size=cfg.batch_size,
-                runtime=data_runtime if split == "train" else runtime,
-                loader_cfg=params.loader, augment_cfg=cfg.train_augment(params.augment), crop_pct=cfg.val_crop_pct,
-                seed=params.seed,
-                token_labels=labels if split == "train" else None,
-            )
-            for split in (("train", "val") if training else ("val",))
-        }
+        loaders = stage_loaders(params, cfg, paths.records, runtime, data_runtime, labels)
         runtime.announce(stage, cfg.precision, loader=loaders["val"].backend)
         train.seed_everything(params.seed, data_runtime)
         model = models.build_model(model_cfg, num_classes=len(classes), img_size=cfg.img_size, mix_token=mix_token)
@@ -98,3 +89,25 @@ def _train_stage(
             train_loader=loaders["train"], val_loader=loaders["val"], runtime=runtime,
             param_sections=param_sections, provenance=inputs, paths=paths, objective=objective,
         ).fit()
+
+
+def stage_loaders(
+    params: config.Params, cfg: config.Train, records_dir: Path, runtime: distributed.Runtime,
+    data_runtime: distributed.Runtime, labels: store.TokenLabelStore | None,
+) -> dict[str, Loader]:
+    """The stage's val loader, and with `cfg.mode` train its train loader (on the data ranks, with the token labels).
+    Validation runs at the evaluation batch (`evaluate.batch_size`), not the training one: a forward without
+    gradients holds a fraction of a step's memory, and a batch of 4 (VOLO-D5 at 512) would be 1,563 val steps a rank
+    an epoch on ImageNet (50,000 / 8 ranks / 4)."""
+    splits = {"train": cfg.batch_size} if cfg.mode == "train" else {}
+    splits["val"] = params.evaluate.batch_size
+    return {
+        split: build_loader(
+            split, records_dir, img_size=cfg.img_size, batch_size=batch_size,
+            runtime=data_runtime if split == "train" else runtime,
+            loader_cfg=params.loader, augment_cfg=cfg.train_augment(params.augment), crop_pct=cfg.val_crop_pct,
+            seed=params.seed,
+            token_labels=labels if split == "train" else None,
+        )
+        for split, batch_size in splits.items()
+    }

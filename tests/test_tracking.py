@@ -751,7 +751,7 @@ def test_each_stage_logs_exactly_the_params_dvc_tracks_for_it(stage):
 
 # How fast a stage runs, never what it writes: the loaders' streams (tests/test_loaders.py), the token labels
 # (tests/test_generate.py) and the records (tests/test_convert.py) are the same whatever their values.
-SPEED_KNOBS = ("loader.workers", "loader.prefetch", "data.convert_workers")
+SPEED_KNOBS = ("loader.workers", "loader.prefetch", "loader.mmap", "data.convert_workers")
 # How often the training stages checkpoint: a resumed run ends as an uninterrupted one (tests/faults/).
 CHECKPOINT_KNOBS = ("checkpoint.every_minutes", "checkpoint.every_updates")
 

@@ -42,6 +42,8 @@ from coarse2fine.labels.store import TokenLabelStore, write_store
 from coarse2fine.training import losses
 from coarse2fine.training.train import StagePaths, Trainer
 
+# ImageNet-1k (ILSVRC 2012): images per split and classes, what the scale benches project to.
+IMAGENET_TRAIN, IMAGENET_VAL, IMAGENET_CLASSES = 1_281_167, 50_000, 1000
 PHOTO_SIZE = (500, 375)  # width, height: a typical ImageNet / Pascal VOC photo
 JPEG_QUALITY = 90
 CPU = Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))  # one rank, no process group
@@ -488,12 +490,15 @@ class ProjectCopy:
         path = self.path / "params.yaml"
         path.write_text(yaml.safe_dump(merge_params(yaml.safe_load(path.read_text()), change), sort_keys=False))
 
-    def repro(self, *args: str, on_stage: Callable[[str], None] = lambda stage: None) -> Repro:
+    def repro(self, *args: str, on_stage: Callable[[str], None] = lambda stage: None,
+              on_line: Callable[[str], None] = lambda line: None) -> Repro:
         """`dvc repro ARGS`, timed; stage times come from when each "Running stage" line arrives, and `on_stage`
-        gets the stage's name then (bench/memory.py attributes its memory samples by it)."""
-        return self.timed_dvc("repro", *args, on_stage=on_stage)
+        gets the stage's name then (bench/memory.py attributes its memory samples by it); `on_line` gets every line
+        of the output as it arrives (bench/scale.py times DVC's own steps by them)."""
+        return self.timed_dvc("repro", *args, on_stage=on_stage, on_line=on_line)
 
-    def timed_dvc(self, *args: str, on_stage: Callable[[str], None] = lambda stage: None) -> Repro:
+    def timed_dvc(self, *args: str, on_stage: Callable[[str], None] = lambda stage: None,
+                  on_line: Callable[[str], None] = lambda line: None) -> Repro:
         """`dvc ARGS` (repro, or exp run), timed as `repro` says."""
         started = time.perf_counter()
         marks: list[tuple[str, float]] = []
@@ -503,6 +508,7 @@ class ProjectCopy:
         ) as process:
             for line in process.stdout:
                 lines.append(line)
+                on_line(line)
                 if match := STAGE_LINE.search(line):
                     marks.append((match.group(1), time.perf_counter()))
                     on_stage(match.group(1))

@@ -46,8 +46,9 @@ import yaml
 from coarse2fine import stage_server
 
 from _common import (
-    NEAR_EMPTY_TINY, PROJECT_ROOT, TINY_NEAR_EMPTY, TINY_TRACKING, ProjectCopy, Repro, add_tiny_argument, goal,
-    header_line, markdown_table, merge_params, project_copy, read_metric, tiny_sizes, tree_stats, workspace, write_json,
+    IMAGENET_CLASSES, IMAGENET_TRAIN, IMAGENET_VAL, NEAR_EMPTY_TINY, PROJECT_ROOT, TINY_NEAR_EMPTY, TINY_TRACKING,
+    ProjectCopy, Repro, add_tiny_argument, goal, header_line, markdown_table, merge_params, project_copy, read_metric,
+    tiny_sizes, tree_stats, workspace, write_json,
 )
 
 SAMPLE_SECONDS = 0.05
@@ -59,7 +60,6 @@ TINY_GROWTH = {
     "data": {"photos": {"train_per_class": 1, "val_per_class": 1}}, **TINY_TRACKING,
     **{stage: {"batch_size": 16} for stage in ("teacher", "token_labels", "pretrain")},
 }
-IMAGENET_TRAIN, IMAGENET_VAL, IMAGENET_CLASSES = 1_281_167, 50_000, 1000
 IMAGENET_FILES = IMAGENET_TRAIN + IMAGENET_VAL
 PARTS = ("stages", "growth", "listing")
 

@@ -1,6 +1,7 @@
 """Run every benchmark in sequence (never concurrently) and print their reports: loader (plain, then with the
 recipe's RandAugment and random erasing: loader_recipe), loader_profile, rand_augment, convert, train_step, layout,
-caching, startup, token_labels, memory, and peer (timm's train.py) when --timm-repo is given. `make bench` runs this.
+caching, startup, token_labels, memory, scale (ImageNet-shaped trees through the whole pipeline), model_export (the
+MLflow model each profile's training stage logs), and peer (timm's train.py) when --timm-repo is given. `make bench` runs this.
 
 Each benchmark's progress goes to stderr, its report (header line, markdown table, goals) to stdout and to its dated
 result file; with --json-dir DIR each also writes DIR/<name>.json. At the end, every goal line of the run, read
@@ -23,7 +24,7 @@ from _common import GOAL_LINE, header_line, markdown_table, write_results
 HERE = Path(__file__).resolve().parent
 BENCHMARKS = (
     "loader", "loader_recipe", "loader_profile", "rand_augment", "convert", "train_step", "layout", "caching",
-    "startup", "token_labels", "memory",
+    "startup", "token_labels", "memory", "scale", "model_export",
 )
 # The line a bench prints after writing its result file (_common.write_results), the path relative to bench/.
 WRITTEN = re.compile(r"^written: (?P<path>\S+\.md)$")

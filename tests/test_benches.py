@@ -327,6 +327,55 @@ def test_memory_tiny_samples_every_stage_pretrain_at_1x_and_10x_the_records_and_
     assert verdicts(report) and set(verdicts(report)) <= {"met", "MISSED"}
 
 
+def markdown_tables(report: str) -> list[list[list[str]]]:
+    """Every markdown table of a report, in order: its rows, header and rule left out."""
+    tables: list[list[list[str]]] = []
+    previous = ""
+    for line in report.splitlines():
+        if line.startswith("| "):
+            if not previous.startswith("| "):
+                tables.append([])
+            tables[-1].append([cell.strip() for cell in line.strip().strip("|").split("|")])
+        previous = line
+    return [table[2:] for table in tables]
+
+
+LAUNCHED_STAGES = DEFAULT_STAGES[1:-2]  # the stages a launcher runs: seconds, sampled many times
+
+
+# Two whole repros (1000 class folders, the VOLO-D1 profile's 1024 + 64 shards) and their no-ops, the stages in
+# the bench's own stage server.
+@pytest.mark.slow
+def test_scale_tiny_measures_every_stage_on_imagenet_shaped_trees_and_projects_them(tmp_path: Path) -> None:
+    report = run_bench("scale", "--tiny", "--workdir", str(tmp_path))
+    stages, dvc, summary, projection, volo = markdown_tables(report)
+    assert [row[0] for row in stages] == list(DEFAULT_STAGES)
+    for stage, unit, small, large, fixed, per_unit, fds, records, processes, read, written, own in stages:
+        assert float(small) > 0 and float(large) > 0 and float(own) >= 0, stage
+        assert re.fullmatch(r"\d+ / \d+", records) and float(read) >= 0 and float(written) >= 0, stage
+        assert (unit == "-") is (stage in ("compare", "lineage")) and re.fullmatch(NUMBER, fixed), stage
+        if stage in LAUNCHED_STAGES:  # its processes were seen, with their open files
+            assert int(processes) >= 1 and int(fds) > 0, (stage, fds, processes)
+    opened, mapped = next(row for row in stages if row[0] == "pretrain")[7].split(" / ")
+    assert int(opened) + int(mapped) > 0  # a training stage reads the records
+    assert [row[0] for row in dvc] == list(DEFAULT_STAGES)
+    assert all(float(row[1]) > 0 for row in dvc)  # each stage's command
+    rows = {row[0]: row[1:] for row in summary}
+    assert re.fullmatch(r"\d+\.\d %", rows["cache overhead"][0])
+    for tree in ("small", "large"):
+        assert re.fullmatch(NUMBER, rows[f"no-op repro, {tree} tree"][0])
+        assert re.fullmatch(RANGE, rows[f"no-op repro, {tree} tree"][1])
+        assert float(rows[f"whole repro, {tree} tree"][0]) > 0
+    assert rows["open-file limit"][0] == "ulimit -Sn 1024"
+    assert rows["open-file limit"][2] == "passed" or rows["open-file limit"][2].startswith("FAILED in ")
+    assert [row[0] for row in projection] == [*DEFAULT_STAGES, "whole repro", "no-op repro"]
+    for stage, *_, local, nfs in projection:
+        assert 0 < float(local) <= float(nfs), (stage, local, nfs)
+    assert volo[0][0] == "GPU steps" and volo[-1][0] == "total" and float(volo[0][1]) > 0
+    assert all(float(hours) >= 0 and re.fullmatch(r"\d+\.\d %", share) for _, hours, share in volo)
+    assert len(verdicts(report)) == 4 and set(verdicts(report)) <= {"met", "MISSED"}
+
+
 @pytest.fixture(scope="module")
 def photos_workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A --workdir for loader and loader_profile: the second reuses the first's synthetic photos and records."""
@@ -484,3 +533,14 @@ def test_gpu_step_tiny_times_both_steps_on_the_gpu() -> None:
     rows = first_table(run_bench("gpu_step", "--tiny"))
     assert [row[0] for row in rows] == ["ground truth", "token labels + MixToken"]
     assert_cells(rows, NUMBER, RATIO, RANGE)
+
+
+def test_model_export_tiny_logs_the_shipped_model_and_sizes_it() -> None:
+    """bench/model_export.py --tiny: the shipped params' tiny VOLO logged through tracking.logged_model, timed and
+    sized: its artifact holds at least the model's fp32 weights."""
+    report = run_bench("model_export", "--tiny")
+    (row,) = first_table(report)
+    assert row[0] == "params.yaml" and row[1] == "volo_custom @ 64"
+    assert float(row[2].removesuffix(" M")) > 0 and float(row[4]) > 0
+    assert float(row[5]) >= float(row[3]) > 0  # the archive holds the fp32 weights
+    assert "every profile's model exports (torch.export accepts it): met (1 of 1)" in report

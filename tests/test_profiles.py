@@ -12,7 +12,7 @@ import yaml
 from conftest import ListLoader, cpu_runtime
 
 from coarse2fine import models
-from coarse2fine.config import TeacherWeight, flatten, load_params
+from coarse2fine.config import TeacherWeight, TokenLabel, flatten, load_params
 from coarse2fine.data.loaders import with_target_inputs
 from coarse2fine.labels import store
 from coarse2fine.training import losses, train
@@ -223,3 +223,36 @@ def test_profile_takes_one_real_optimizer_step(path, tmp_path):
         if changed:
             break
     assert len(changed) > len(before) // 2, f"only {len(changed)} of {len(before)} tensors moved"
+
+
+# sail-sg/volo: main.py's --cls-weight 1.0 and --dense-weight 0.5 (TokenLabelCrossEntropy; TokenLabelGTCrossEntropy
+# with --ground-truth), --smoothing 0.1; models/volo.py's VOLO(..., return_dense=True, mix_token=True): every VOLO
+# of the reference trains on token labels with MixToken, in pre-training and in fine-tuning.
+VOLO_TOKEN_LABEL = {"enabled": True, "cls_weight": 1.0, "dense_weight": 0.5, "mix_token": True,
+                    "teacher_weight": {"agrees": 0.5, "disagrees": 0.9}, "ground_truth_tokens": False,
+                    "label_smoothing": 0.1}
+VOLO_PROFILES = [path for path in PROFILES if path.stem.startswith("volo_")]
+
+
+@pytest.mark.parametrize("path", VOLO_PROFILES, ids=lambda path: path.stem)
+def test_every_token_label_key_of_a_volo_profile_is_the_reference_s(path):
+    written = yaml.safe_load(path.read_text(encoding="utf-8"))
+    for name in ("pretrain", "finetune"):
+        token_label = written[name]["token_label"]
+        # Every key the schema has, written out in the profile (nothing left to a default that could change).
+        assert set(token_label) == set(TokenLabel.model_fields) == set(VOLO_TOKEN_LABEL) | {"ground_truth_mix"}, name
+        assert {key: token_label[key] for key in VOLO_TOKEN_LABEL} == VOLO_TOKEN_LABEL, name
+        assert token_label["ground_truth_mix"] == (name == "finetune")
+
+
+@pytest.mark.parametrize("path", VOLO_PROFILES, ids=lambda path: path.stem)
+def test_the_objective_built_from_a_volo_profile_takes_its_weights_not_the_constructor_s(path):
+    """TokenLabelObjective's own default teacher weight is the project's (0.5 / 0.1); a profile's 0.5 / 0.9 must reach
+    the objective the Trainer gets (losses.TokenLabelObjective.from_params)."""
+    params = load_params(path)
+    for name in ("pretrain", "finetune"):
+        cfg = getattr(params, name)
+        objective = losses.TokenLabelObjective.from_params(1000, cfg)
+        assert objective.teacher_weight == TeacherWeight(agrees=0.5, disagrees=0.9) != TeacherWeight()
+        assert (objective.cls_weight, objective.dense_weight, objective.label_smoothing) == (1.0, 0.5, 0.1)
+        assert objective.ground_truth_mix == (name == "finetune") and not objective.ground_truth_tokens

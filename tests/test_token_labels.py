@@ -242,6 +242,74 @@ def test_token_label_loss_mixes_the_class_target_by_the_box_area():
 REFERENCE_WEIGHT = TeacherWeight(agrees=0.5, disagrees=0.9)  # sail-sg/volo's `0.9 - 0.4 * (label == top-1)`
 
 
+def three_samples_on_a_3x3_grid(seed: int) -> tuple[dict, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A batch of 3 with token labels on a 3 x 3 token grid, its cell maps and the student's logits: with 3 samples
+    the flipped partner (2, 1, 0) is not the rolled one (2, 0, 1), and a box of 2 of the 9 tokens gives lam = 7/9,
+    not 1 - lam."""
+    generator = torch.Generator().manual_seed(seed)
+    log_probs = -0.5 - 3 * torch.rand(3, 2, 3, 3, generator=generator)
+    classes = torch.stack([torch.randperm(4, generator=generator)[:2] for _ in range(27)])
+    classes = classes.view(3, 3, 3, 2).permute(0, 3, 1, 2).contiguous()  # two distinct classes per cell
+    batch = {
+        "index": torch.tensor([0, 1, 2]), "label": torch.tensor([1, 3, 0]), "flip": torch.tensor([False, True, False]),
+        "window": torch.tensor([[0.0, 0.0, 1.0, 1.0], [0.1, 0.2, 0.6, 0.7], [0.3, 0.0, 0.7, 0.5]]),
+    }
+    batch["affine"] = identity_for(batch)
+    cls_logits = torch.randn(3, 4, generator=generator)
+    aux_logits = torch.randn(3, 9, 4, generator=generator)
+    return batch, log_probs, classes, cls_logits, aux_logits
+
+
+MIX_BOX, MIX_LAM = (0, 1, 1, 3), 7 / 9  # rows 0..1, columns 1..3 of a 3 x 3 grid: 2 tokens of 9 taken from the partner
+
+
+def test_mix_token_mixes_each_class_target_with_its_flipped_partner_by_the_share_of_its_own_tokens():
+    batch, log_probs, classes, cls_logits, aux_logits = three_samples_on_a_3x3_grid(seed=3)
+    assert losses.mix_token_lam(MIX_BOX, token_grid=3) == pytest.approx(MIX_LAM)
+    expected = token_targets(
+        log_probs, classes, batch["window"], batch["flip"], batch["affine"], num_classes=4, token_grid=3, smoothing=0.1
+    )
+    teacher = expected.cls
+    # By hand: sample 0 takes sample 2's tokens inside the box, 1 its own (the middle of the flip), 2 sample 0's.
+    cls_target = torch.stack([
+        MIX_LAM * teacher[0] + (1 - MIX_LAM) * teacher[2],
+        teacher[1],
+        MIX_LAM * teacher[2] + (1 - MIX_LAM) * teacher[0],
+    ])
+    manual = losses.soft_cross_entropy(cls_logits, cls_target) + 0.5 * losses.soft_cross_entropy(
+        aux_logits, expected.tokens
+    )
+    objective = losses.TokenLabelObjective(4, label_smoothing=0.1, dense_weight=0.5)
+    output = models.TrainOutput(cls_logits, aux_logits, mix_box=MIX_BOX)
+    torch.testing.assert_close(objective(output, with_store_rows(batch, log_probs, classes)), manual)
+
+
+def test_label_mixing_comes_before_mix_token_as_in_the_reference():
+    """sail-sg/volo's TokenLabelGTCrossEntropy mixes the ground truth into each sample's teacher target, then
+    MixToken mixes the samples' targets: the partner's part is the partner's label-mixed target."""
+    batch, log_probs, classes, cls_logits, aux_logits = three_samples_on_a_3x3_grid(seed=4)
+    expected = token_targets(
+        log_probs, classes, batch["window"], batch["flip"], batch["affine"], num_classes=4, token_grid=3, smoothing=0.1
+    )
+    teacher, labels = expected.cls, batch["label"].tolist()
+    smoothed = [torch.full((4,), 0.1 / 4) + 0.9 * torch.nn.functional.one_hot(torch.tensor(label), 4) for label in labels]
+    weights = [0.5 if int(teacher[i].argmax()) == labels[i] else 0.9 for i in range(3)]  # REFERENCE_WEIGHT
+    own = [weights[i] * teacher[i] + (1 - weights[i]) * smoothed[i] for i in range(3)]
+    cls_target = torch.stack([
+        MIX_LAM * own[0] + (1 - MIX_LAM) * own[2], own[1], MIX_LAM * own[2] + (1 - MIX_LAM) * own[0],
+    ])
+    manual = losses.soft_cross_entropy(cls_logits, cls_target) + 0.5 * losses.soft_cross_entropy(
+        aux_logits, expected.tokens
+    )
+    objective = losses.TokenLabelObjective(
+        4, label_smoothing=0.1, ground_truth_mix=True, teacher_weight=REFERENCE_WEIGHT
+    )
+    output = models.TrainOutput(cls_logits, aux_logits, mix_box=MIX_BOX)
+    torch.testing.assert_close(objective(output, with_store_rows(batch, log_probs, classes)), manual)
+
+
+
+
 def test_ground_truth_mixing_weights_the_teacher_by_whether_it_agrees_with_the_label():
     teacher = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.6, 0.3]])
     labels = torch.tensor([0, 2])  # the teacher's top-1 agrees with sample 0 (w = 0.5), not with sample 1

@@ -256,3 +256,11 @@ def test_the_objective_built_from_a_volo_profile_takes_its_weights_not_the_const
         assert objective.teacher_weight == TeacherWeight(agrees=0.5, disagrees=0.9) != TeacherWeight()
         assert (objective.cls_weight, objective.dense_weight, objective.label_smoothing) == (1.0, 0.5, 0.1)
         assert objective.ground_truth_mix == (name == "finetune") and not objective.ground_truth_tokens
+
+
+@pytest.mark.parametrize("path", VOLO_PROFILES, ids=lambda path: path.stem)
+def test_a_volo_profile_names_its_teacher_view_among_its_deviations(path):
+    """The reference generated its labels from a centre crop; the profiles keep `whole`, and say so."""
+    header = "".join(line for line in path.read_text(encoding="utf-8").splitlines(keepends=True) if line.startswith("#"))
+    assert load_params(path).token_labels.teacher_view == "whole"
+    assert "# Deviations:" in header and "teacher_view: whole" in header.split("# Deviations:", 1)[1]

@@ -535,6 +535,7 @@ def test_gpu_step_tiny_times_both_steps_on_the_gpu() -> None:
     assert_cells(rows, NUMBER, RATIO, RANGE)
 
 
+@pytest.mark.slow
 def test_model_export_tiny_logs_the_shipped_model_and_sizes_it() -> None:
     """bench/model_export.py --tiny: the shipped params' tiny VOLO logged through tracking.logged_model, timed and
     sized: its artifact holds at least the model's fp32 weights."""

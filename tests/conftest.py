@@ -344,6 +344,12 @@ DIGITS_PIPELINE = {
 }
 
 
+def read_back(file) -> str:
+    """What was written to an open temporary file, as text."""
+    file.seek(0)
+    return file.read().decode(errors="replace")
+
+
 class Project:
     """A clone-like copy of the project (dvc.yaml, params.yaml, stages/, src/, .dvc/) in `path`, as git + DVC
     repository, whose commands run with this environment's tools and a store of its own for MLflow. Its
@@ -396,10 +402,20 @@ class Project:
     def run(
         self, *args: str, check: bool = True, timeout: float = 900, env: dict[str, str] | None = None
     ) -> subprocess.CompletedProcess:
-        """`args` in the copy, with `env` (default: the copy's environment, self.env)."""
-        result = subprocess.run(
-            args, cwd=self.path, env=self.env if env is None else env, capture_output=True, text=True, timeout=timeout
-        )
+        """`args` in the copy, with `env` (default: the copy's environment, self.env). The output goes to files, not
+        pipes: the call waits for the command, not for a process it leaves running that inherited its output (a DVC
+        queue worker); on a timeout the output so far is in the error."""
+        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+            try:
+                status = subprocess.run(
+                    args, cwd=self.path, env=self.env if env is None else env, stdout=out, stderr=err, timeout=timeout
+                ).returncode
+            except subprocess.TimeoutExpired:
+                raise AssertionError(
+                    f"{' '.join(args)} ran past {timeout} s:\n{read_back(out)[-4000:]}\n{read_back(err)[-4000:]}"
+                ) from None
+            stdout, stderr = read_back(out), read_back(err)
+        result = subprocess.CompletedProcess(args, status, stdout, stderr)
         if check and result.returncode:
             raise AssertionError(f"{' '.join(args)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
         return result

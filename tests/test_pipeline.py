@@ -435,6 +435,21 @@ def queued_names(project: Project) -> set[str]:
     return {row[1] for row in rows if len(row) > 2 and row[-1] == "Queued"}
 
 
+def workers_alive(project: Project, wait: float) -> list[int]:
+    """The pids of the project's DVC queue workers still running after up to `wait` seconds (celery's pid files)."""
+    deadline = time.monotonic() + wait
+    while True:
+        alive = []
+        for pidfile in (project.path / ".dvc/tmp/exps/celery").glob("dvc-exp-worker-*.pid"):
+            with contextlib.suppress(ValueError, OSError):
+                pid = int(pidfile.read_text())
+                if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":  # exited, not reaped
+                    alive.append(pid)
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(1)
+
+
 @dataclasses.dataclass
 class Queue:
     project: Project
@@ -469,6 +484,8 @@ def queue(tmp_path_factory) -> Queue:
     enqueue("sentinel", "--name", "sentinel", COARSE_TARGET)
     project.run("git", "checkout", "--", SENTINEL_TOP1[0])  # the workspace's code reports the truth again
     project.run("dvc", "exp", "run", "--run-all", "--jobs", "2", env=env)
+    project.run("dvc", "queue", "stop", env=env)  # as make sweep does: a worker may outlive the run (kombu's race)
+    assert not workers_alive(project, wait=60)
 
     results = experiment_results(project)
     return Queue(

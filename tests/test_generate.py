@@ -27,7 +27,7 @@ from coarse2fine.data.transforms import IDENTITY_AFFINE, IMAGE_MEAN, IMAGE_STD, 
 from coarse2fine.distributed import Runtime
 from coarse2fine.labels import store, targets
 from coarse2fine.labels.generate import (
-    DONE_DIR, IMAGENET_TRAIN_IMAGES, RELIABLE_DENSE_TOP1, TrainRecords, View, dense_head, generate,
+    DONE_DIR, IMAGENET_TRAIN_IMAGES, RELIABLE_DENSE_TOP1, TrainRecords, View, WARNING_WIDTH, dense_head, generate,
     unreliable_teacher_warning,
 )
 
@@ -442,5 +442,9 @@ def test_the_teacher_warning_names_its_share_of_wrong_training_images_below_the_
     assert unreliable_teacher_warning({"dense_top1": 100.0, "cell_top1": 92.99}) is None  # the photos' teacher
     assert unreliable_teacher_warning({"dense_top1": RELIABLE_DENSE_TOP1, "cell_top1": 80.0}) is None
     warning = unreliable_teacher_warning({"dense_top1": 88.89, "cell_top1": 70.98})
-    assert "wrong on 11.1 % of its own training images" in warning and "its cells on 29.0 %" in warning
-    assert "ground_truth_mix" in warning and "docs/recipe.md#a-teacher-that-errs" in warning
+    assert "wrong on 11.1% of its train images (cells 29.0%)" in warning
+    assert "<student>.token_label.enabled false" in warning and "teacher.epochs" in warning  # what to do
+    assert "docs/recipe.md#a-teacher-that-errs" in warning  # and where the why is
+    for worst in ({"dense_top1": 0.0, "cell_top1": 0.0}, {"dense_top1": 97.99, "cell_top1": 90.0}):
+        printed = f"token_labels: {unreliable_teacher_warning(worst)}"  # as the stage prints it
+        assert "\n" not in printed and len(printed) <= WARNING_WIDTH == 200

@@ -68,6 +68,7 @@ REFERENCE_IMAGENET_BYTES = 9.2e9  # the reference's store: [2, 5, 18, 18] fp16 p
 # one right on 100 % nothing; 98 % (wrong on more than 1 image in 50) warns well before that range.
 RELIABLE_DENSE_TOP1 = 98.0
 RELIABILITY_DOC = "docs/recipe.md#a-teacher-that-errs"
+WARNING_WIDTH = 200  # the printed line, "token_labels: " included: one line of a terminal or a cluster log
 
 DenseHead = Callable[[torch.Tensor], torch.Tensor]  # normalised images [B, 3, S, S] -> scores [B, C, h, w]
 
@@ -213,19 +214,14 @@ class Generation:
 
 
 def unreliable_teacher_warning(metrics: Mapping[str, float]) -> str | None:
-    """One line for the user when the teacher misreads more of its own training images than RELIABLE_DENSE_TOP1
-    allows (`metrics`: Generation.metrics()), else None."""
+    """One line for the user (at most WARNING_WIDTH characters as the stage prints it) when the teacher misreads more
+    of its own training images than RELIABLE_DENSE_TOP1 allows (`metrics`: Generation.metrics()), else None. What to
+    do is in it; why is in RELIABILITY_DOC."""
     if metrics["dense_top1"] >= RELIABLE_DENSE_TOP1:
         return None
     return (
-        f"WARNING: the teacher is wrong on {100 - metrics['dense_top1']:.1f} % of its own training images (dense "
-        f"top-1 {metrics['dense_top1']:.2f} % < {RELIABLE_DENSE_TOP1:g} %; its cells on {100 - metrics['cell_top1']:.1f} "
-        "%): students taught its targets as they are learn those mistakes (the reference's targets: 11-21 points "
-        "below ground truth on the photos). With the label mixed in where the teacher contradicts it (the defaults, "
-        "not the ImageNet profiles: <student>.token_label.ground_truth_mix and ground_truth_tokens on, "
-        "teacher_weight.disagrees 0.1) the photos' students matched or beat ground truth on average over seeds from "
-        "teachers wrong on up to 10 %, one seed 5-7 points either way: compare with ground truth "
-        "(<student>.token_label.enabled false), or train the teacher further (teacher.epochs, a larger teacher.model) "
+        f"WARNING: teacher wrong on {100 - metrics['dense_top1']:.1f}% of its train images (cells "
+        f"{100 - metrics['cell_top1']:.1f}%): compare with <student>.token_label.enabled false or raise teacher.epochs "
         f"({RELIABILITY_DOC})"
     )
 

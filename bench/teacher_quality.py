@@ -11,7 +11,11 @@ quality and seed, trains the students with:
   agrees with the label, 0.1 where it does not, in pre-training and fine-tuning),
 - the reference's targets: pre-training on the teacher alone, fine-tuning with sail-sg/volo's mix (w 0.5 / 0.9),
   class target only,
-- (--arms) the class-only mix: the recipe's weights on the class target only, the tokens the teacher's.
+- (--arms) the class-only mix: the recipe's weights on the class target only, the tokens the teacher's,
+- (--arms) the recipe with one part of token labeling off: MixToken, or the dense (per-token) loss.
+
+`--data-root DIR` runs on an ImageFolder tree instead of the photos: a held-out set of bench/photo_sets.py; `--set
+KEY=VALUE ...` gives every arm more params (e.g. augment.hflip=0.5, as the held-out runs have it).
 
 Each seed is its own project copy (the seed draws the photo patches, the split and the training), so the teacher
 runs once per quality and seed and DVC's run cache gives its token labels to every arm. Per quality: the teacher's
@@ -19,7 +23,8 @@ val top-1, its dense top-1 on the train images and its cells' (the token_labels 
 pre-trained student at 48 px (its own) and 64 px, the fine-tuned one at 64 px; the mean over seeds, and the
 recipe's gap to ground truth.
 
-Run: python bench/teacher_quality.py [--seeds 0 1] [--teacher-epochs 30 8 4 3] [--arms ...] [--workdir DIR]
+Run: python bench/teacher_quality.py [--seeds 0 1] [--teacher-epochs 30 8 4 3] [--arms ...] [--data-root DIR]
+[--set KEY=VALUE ...] [--workdir DIR]
 (make teacher-quality; about 5 hours on 2 CPU cores with the defaults: 18 DVC experiments, 9 per seed). `--student-epochs PRE FINE` shortens
 the students for a quick look (then the figures are not the defaults').
 """
@@ -46,6 +51,9 @@ ARMS = {  # name -> the `dvc exp run -S` settings on top of the shipped params
         **{f"{stage}.token_label.ground_truth_tokens": "false" for stage in STUDENTS},
     },
     "class-only mix": {f"{stage}.token_label.ground_truth_tokens": "false" for stage in STUDENTS},
+    # The parts of token labeling, one off at a time on top of the recipe (issue 56's held-out sets).
+    "recipe, no MixToken": {f"{stage}.token_label.mix_token": "false" for stage in STUDENTS},
+    "recipe, no dense loss": {f"{stage}.token_label.dense_weight": "0" for stage in STUDENTS},
 }
 DEFAULT_ARMS = ("ground truth", "recipe", "reference targets")
 TEACHER_ONLY = "ground truth"  # the arm the teacher does not reach: run once per seed
@@ -66,6 +74,11 @@ def parse_args() -> argparse.Namespace:
                         help=f"of: {'; '.join(ARMS)} (default: {'; '.join(DEFAULT_ARMS)})")
     parser.add_argument("--student-epochs", type=int, nargs=2, default=None, metavar=("PRE", "FINE"),
                         help="pretrain and finetune epochs (default: params.yaml's)")
+    parser.add_argument("--data-root", type=Path, default=None, metavar="DIR",
+                        help="an ImageFolder tree to run on instead of the photos, e.g. a held-out set of "
+                             "bench/photo_sets.py (data/photo_sets/lomiri)")
+    parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", dest="settings",
+                        help="params for every arm, as dvc exp run -S takes them (e.g. augment.hflip=0.5)")
     parser.add_argument("--workdir", type=Path, default=None, help="keep the project copies here (default: a temp dir)")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the report and numbers here")
     parser.add_argument("--report-from", type=Path, nargs="+", default=None, metavar="JSON",
@@ -94,10 +107,12 @@ def main() -> None:
 
 
 def result_topic(args: argparse.Namespace) -> str:
-    """The result file's topic: the bench's name at the defaults' student epochs, else those epochs named too."""
+    """The result file's topic: the bench's name, then the data set's folder name unless it is the photos, and the
+    student epochs unless they are the defaults'."""
+    topic = "teacher_quality" if args.data_root is None else f"teacher_quality_{args.data_root.resolve().name}"
     if args.student_epochs is None:
-        return "teacher_quality"
-    return f"teacher_quality_students_{args.student_epochs[0]}_{args.student_epochs[1]}"
+        return topic
+    return f"{topic}_students_{args.student_epochs[0]}_{args.student_epochs[1]}"
 
 
 def train_arms(args: argparse.Namespace) -> list[dict]:
@@ -105,7 +120,9 @@ def train_arms(args: argparse.Namespace) -> list[dict]:
     runs = []
     with workspace(args.workdir) as work:
         for seed in args.seeds:
-            change = {"seed": seed, "data": {"source": "photos"}}
+            data = {"source": "photos"} if args.data_root is None else {
+                "source": "imagefolder", "root": str(args.data_root.resolve())}
+            change = {"seed": seed, "data": data}
             project = project_copy(work / f"seed{seed}", merge_params(change, TINY) if args.tiny else change)
             students = {}
             if args.student_epochs is not None:
@@ -114,7 +131,8 @@ def train_arms(args: argparse.Namespace) -> list[dict]:
                 for arm in args.arms:
                     if arm == TEACHER_ONLY and epochs != args.teacher_epochs[0]:
                         continue
-                    settings = {"teacher.epochs": str(epochs), **students, **ARMS[arm]}
+                    settings = {"teacher.epochs": str(epochs), **students, **dict(
+                        setting.split("=", 1) for setting in args.settings), **ARMS[arm]}
                     runs.append({"seed": seed, "teacher_epochs": epochs, "arm": arm,
                                  "student_epochs": args.student_epochs, **run_arm(project, settings)})
                     print(json.dumps(runs[-1]), flush=True)
@@ -175,12 +193,18 @@ def report(runs: list[dict], args: argparse.Namespace) -> str:
     epochs_line = "students: params.yaml's epochs" if args.student_epochs is None else (
         f"students: pretrain {args.student_epochs[0]} + finetune {args.student_epochs[1]} epochs (not the defaults)")
     return "\n".join([
-        f"photos, seeds {', '.join(map(str, args.seeds))}; {epochs_line}; top-1 % on val, mean over seeds (per seed, "
-        "in that order)",
+        f"{data_line(args)}, seeds {', '.join(map(str, args.seeds))}; {epochs_line}; top-1 % on val, mean over seeds "
+        "(per seed, in that order)",
         "",
         markdown_table(["teacher epochs", "teacher val / dense train / cells top-1 %", "targets", *columns,
                         "gap to ground truth (pretrain @48 / @64 / finetune)"], rows),
     ])
+
+
+def data_line(args: argparse.Namespace) -> str:
+    """The data set and the params every arm had, for the report's first line."""
+    data = "photos" if args.data_root is None else f"the ImageFolder set {args.data_root.resolve().name}"
+    return data + "".join(f", {setting}" for setting in args.settings)
 
 
 if __name__ == "__main__":

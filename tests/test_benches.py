@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -18,7 +19,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 
+from coarse2fine.data.records import SPLITS
+from coarse2fine.data.sources import list_imagefolder
 from coarse2fine.data.transforms import RAND_AUGMENT_OPS
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -253,6 +257,22 @@ def test_ablation_tiny_runs_its_rows_as_dvc_experiments_in_the_shared_copy(
         last = "finetune" if ablation.ROWS[name][2] else "pretrain"
         evaluation = shown[ablation._experiment_name(name)][f"metrics/evaluate/{last}/metrics.json"]
         assert (top1, loss) == (f"{evaluation['top1']:.2f}", f"{evaluation['loss']:.3f}"), (name, evaluation)
+
+
+# A held-out set from its Debian package (apt-get download: the registry), cut as the photos are.
+@pytest.mark.slow
+def test_photo_sets_tiny_builds_an_imagefolder_of_a_debian_package_s_photographs_and_names_them(tmp_path: Path) -> None:
+    if shutil.which("apt-get") is None or shutil.which("dpkg-deb") is None:
+        pytest.skip("no apt-get and dpkg-deb here: bench/photo_sets.py takes its photographs from Debian packages")
+    report = run_bench("photo_sets", "--tiny", "--out", str(tmp_path))
+    (row,) = first_table(report)
+    assert row[:4] == ["lomiri", "lomiri-wallpapers-16.04 20.04.0-2", "2", "6 / 2"], row
+    built = json.loads((tmp_path / "lomiri.json").read_text())
+    assert list(built["photos"]) == ["bridge", "dragonfly"] and built["grey_share"] == 0.2
+    assert all(re.fullmatch(r"[0-9a-f]{64}", photo["sha256"]) for photo in built["photos"].values())
+    source = list_imagefolder(tmp_path / "lomiri", subset=1.0, seed=0)
+    assert source.classes == ("bridge", "dragonfly") and [len(source.files[split]) for split in SPLITS] == [6, 2]
+    assert {min(Image.open(tmp_path / "lomiri" / file.path).size) for file in source.files["train"]} == {64}
 
 
 # Two DVC experiments (ground truth, the recipe) from a one-epoch teacher, in the bench's own near-empty copy.

@@ -19,6 +19,7 @@ from conftest import PROJECT_ROOT, cpu_runtime, launch_command, make_params
 from PIL import Image
 from tfrecord.tools.tfrecord2idx import create_index
 
+from coarse2fine.config import PhotosSource
 from coarse2fine.data import records, sources
 from coarse2fine.data.convert import convert
 from coarse2fine.errors import UserError
@@ -320,6 +321,30 @@ def test_photos_are_non_square_patches_of_18_photos_with_val_from_unseen_parts(t
         assert y + h <= top or bottom <= y or x + w <= left or right <= x
         y, x, h, w = sources._photo_patch(300, 400, block, True, rng)
         assert top <= y and y + h <= bottom and left <= x and x + w <= right
+
+
+def test_patches_written_grey_are_a_seeded_share_and_the_others_are_the_patches_written_without(tmp_path):
+    """write_patches' grey_share (bench/photo_sets.py's held-out sets) draws from a stream of its own: the same
+    patches as without it, some of them single-channel grey, the same ones at the same seed."""
+    rng = np.random.default_rng(0)
+    photos = [(name, rng.integers(0, 256, (300, 400, 3), dtype=np.uint8)) for name in ("a", "b")]
+    settings = PhotosSource(size=24, train_per_class=20, val_per_class=5)
+    for folder, share in (("colour", 0.0), ("grey", 0.5), ("grey_again", 0.5)):
+        sources.write_patches(tmp_path / folder, photos, settings, seed=3, grey_share=share)
+    written = sorted(path.relative_to(tmp_path / "colour") for path in (tmp_path / "colour").rglob("*.png"))
+    assert len(written) == 50 and written == sorted(
+        path.relative_to(tmp_path / "grey") for path in (tmp_path / "grey").rglob("*.png"))
+    grey = 0
+    for path in written:
+        colour, mixed = Image.open(tmp_path / "colour" / path), Image.open(tmp_path / "grey" / path)
+        assert colour.mode == "RGB" and (tmp_path / "grey" / path).read_bytes() == (
+            tmp_path / "grey_again" / path).read_bytes()
+        if mixed.mode == "L":
+            grey += 1
+            assert np.array_equal(np.asarray(mixed), np.asarray(colour.convert("L")))
+        else:
+            assert (tmp_path / "grey" / path).read_bytes() == (tmp_path / "colour" / path).read_bytes()
+    assert 15 <= grey <= 35  # about half of 50
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ import importlib.resources
 import os
 import random
 from dataclasses import dataclass
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -100,28 +101,42 @@ def write_digits(directory: Path, digits: DigitsSource, seed: int) -> None:
 
 
 def write_photos(directory: Path, photos: PhotosSource, seed: int) -> None:
-    """Patches of scikit-image's photographs as `directory/{train,val}/<photo>/<n>.png`: the class is the photo a
-    patch was cut from. Each patch is a seeded random rectangle (its shorter side PHOTO_PATCH_SIDES of the photo's,
-    its aspect ratio in PHOTO_PATCH_RATIOS) resized so its shorter side is `photos.size`. Val patches come from one
-    seeded block of each photo that no train patch overlaps, so val measures recognition of unseen parts of a
-    scene, not of pixels seen in training; colour photos stay colour, grey ones grey."""
+    """Patches of scikit-image's photographs (`write_patches`); colour photos stay colour, grey ones grey."""
     photo_dir = importlib.resources.files("skimage.data")  # read as files: importing scikit-image takes a second
-    rng = np.random.default_rng(seed)
-    for file_name in PHOTOS:
-        name = file_name.rsplit(".", 1)[0]
+
+    def read(file_name: str) -> tuple[str, np.ndarray]:
         with Image.open(photo_dir / file_name) as opened:
-            photo = np.asarray(opened)
+            return file_name.rsplit(".", 1)[0], np.asarray(opened)
+
+    write_patches(directory, map(read, PHOTOS), photos, seed)
+
+
+def write_patches(
+    directory: Path, photos: Iterable[tuple[str, np.ndarray]], settings: PhotosSource, seed: int, grey_share: float = 0.0
+) -> None:
+    """Patches of `photos` ((name, pixels) pairs) as `directory/{train,val}/<name>/<n>.png`: the class is the photo
+    a patch was cut from. Each patch is a seeded random rectangle (its shorter side PHOTO_PATCH_SIDES of the photo's,
+    its aspect ratio in PHOTO_PATCH_RATIOS) resized so its shorter side is `settings.size`. Val patches come from one
+    seeded block of each photo that no train patch overlaps, so val measures recognition of unseen parts of a
+    scene, not of pixels seen in training. A share `grey_share` of the patches, drawn apart from the patches, are
+    written as single-channel grey images (as ImageNet holds some)."""
+    rng = np.random.default_rng(seed)
+    grey_rng = np.random.default_rng([seed, 1])  # its own stream: grey_share 0 leaves the patches as they were
+    for name, photo in photos:
         height, width = photo.shape[:2]
         block = _held_out_block(height, width, rng)
-        for split, count in (("train", photos.train_per_class), ("val", photos.val_per_class)):
+        for split, count in (("train", settings.train_per_class), ("val", settings.val_per_class)):
             folder = directory / split / name
             folder.mkdir(parents=True, exist_ok=True)
             for number in range(count):
                 top, left, patch_height, patch_width = _photo_patch(height, width, block, split == "val", rng)
                 patch = Image.fromarray(photo[top : top + patch_height, left : left + patch_width])
-                scale = photos.size / min(patch_height, patch_width)
+                scale = settings.size / min(patch_height, patch_width)
                 size = (round(patch_width * scale), round(patch_height * scale))
-                patch.resize(size, Image.Resampling.BICUBIC, reducing_gap=3.0).save(folder / f"{number:04d}.png")
+                patch = patch.resize(size, Image.Resampling.BICUBIC, reducing_gap=3.0)
+                if grey_share and grey_rng.random() < grey_share:
+                    patch = patch.convert("L")
+                patch.save(folder / f"{number:04d}.png")
 
 
 def _held_out_block(height: int, width: int, rng: np.random.Generator) -> tuple[int, int, int, int]:

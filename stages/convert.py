@@ -11,6 +11,7 @@ from coarse2fine import cli, distributed
 from coarse2fine.config import Params
 from coarse2fine.data import records
 from coarse2fine.data.convert import convert, totals
+from coarse2fine.files import project_path, walked_by
 from coarse2fine.tracking.runs import Tracker
 
 # What this stage reads (as dvc.yaml lists it): data but its speed knob, convert_workers (the same bytes whatever
@@ -33,6 +34,12 @@ def main(params: Params, args: argparse.Namespace) -> None:
             tracker.log_summary({**total, "seconds": seconds, "images_per_second": total["images"] / seconds})
             for name in (records.MANIFEST_FILE, records.CLASSES_FILE):
                 tracker.log_artifact(out / name)
+        if params.data.source == "imagefolder" and runtime.is_main:
+            if walking := walked_by(project_path(params.data.root)):
+                walk = f"{' and '.join(walking)} walk" if len(walking) > 1 else f"{walking[0]} walks"
+                print(f"convert: WARNING: data.root {params.data.root} is inside the project and {walk} its "
+                      f"{total['images']:,} images at every command: add it to .gitignore and .dvcignore "
+                      "(docs/scaling.md)", flush=True)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import re
 import resource
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +24,7 @@ from coarse2fine.config import PhotosSource
 from coarse2fine.data import records, sources
 from coarse2fine.data.convert import convert
 from coarse2fine.errors import UserError
-from coarse2fine.files import file_sha256
+from coarse2fine.files import file_sha256, walked_by
 
 STAGE = PROJECT_ROOT / "stages" / "convert.py"
 ENV = {**os.environ, "DVC_NO_ANALYTICS": "1", "MLFLOW_DISABLE_TELEMETRY": "true"}
@@ -131,6 +132,7 @@ def read_split(records_dir: Path, split: str) -> list[dict]:
 def converted(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The test tree converted by the real stage twice, at the same time: 2 ranks x 2 workers and 1 rank x 1 worker."""
     tmp = tmp_path_factory.mktemp("convert")
+    make_project(tmp)  # the stages run in it (out.parent), the images inside it, ignored by neither git nor DVC
     root = build_image_folder(tmp / "images")
     data = {"source": "imagefolder", "root": str(root), "train_shards": 2, "val_shards": 1}
     runs = {
@@ -147,6 +149,30 @@ def test_stage_exits_0_and_summarises(converted):
         assert code == 0, f"{name}: {stderr}"
         assert "convert: 8 train + 2 val images" in stdout
         assert "5 files skipped" in stdout
+        # The images sit inside the project, where git and DVC walk them at every command: said once (rank 0).
+        (warning,) = [line for line in stdout.splitlines() if "WARNING" in line]
+        assert warning.startswith(f"convert: WARNING: data.root {converted['root']} is inside the project and git "
+                                  "and DVC walk its 10 images at every command: add it to .gitignore and .dvcignore")
+
+
+def make_project(directory: Path) -> None:
+    """A git repository with DVC initialised in it, as `dvc init` makes one."""
+    subprocess.run(["git", "init", "-q"], cwd=directory, check=True)
+    subprocess.run([str(Path(sys.executable).parent / "dvc"), "init", "-q"], cwd=directory, check=True, env=ENV)
+
+
+def test_a_data_root_inside_the_project_is_walked_by_what_does_not_ignore_it(tmp_path, monkeypatch):
+    make_project(tmp_path)
+    (tmp_path / "images" / "train").mkdir(parents=True)
+    monkeypatch.setenv("DVC_ROOT", str(tmp_path))
+    assert walked_by(tmp_path / "images") == ["git", "DVC"]
+    (tmp_path / ".gitignore").write_text("/images/\n")
+    assert walked_by(tmp_path / "images") == ["DVC"]
+    (tmp_path / ".dvcignore").write_text("/images/\n")
+    assert walked_by(tmp_path / "images") == []
+    assert walked_by(tmp_path.parent) == walked_by(tmp_path) == []  # outside the project, or the project itself
+    monkeypatch.setenv("DVC_ROOT", str(tmp_path / "images"))  # not a DVC project
+    assert walked_by(tmp_path / "images" / "train") == []
 
 
 @pytest.mark.slow

@@ -9,6 +9,7 @@ import fcntl
 import hashlib
 import json
 import os
+import subprocess
 import tempfile
 from pathlib import Path
 from typing import Any, Iterator
@@ -59,6 +60,27 @@ def project_path(path: str | Path) -> Path:
     experiment's copy holds) is found from both. Outside DVC: the working directory."""
     path = Path(path)
     return path if path.is_absolute() else Path(os.environ.get("DVC_ROOT", ".")) / path
+
+
+def walked_by(path: Path) -> list[str]:
+    """Which of git and DVC walk `path` (a data root) at every command because it lies inside the project (DVC_ROOT,
+    else the working directory) and neither .gitignore nor .dvcignore leaves it out: git's status and DVC's search
+    for dvc.yaml files read every entry of it, hours over ImageNet's 1.33 M files on NFS. [] outside a project."""
+    project = Path(os.environ.get("DVC_ROOT", ".")).resolve()
+    path = path.resolve()
+    if not (project / ".dvc").is_dir() or not path.is_relative_to(project) or path == project:
+        return []
+    walking = []
+    with contextlib.suppress(FileNotFoundError):  # no git: nothing of git's to say
+        ignored = subprocess.run(["git", "-C", str(project), "check-ignore", "-q", str(path)], capture_output=True)
+        if ignored.returncode == 1:  # 0: ignored, 128: not a git repository
+            walking.append("git")
+    from dvc.repo import Repo  # here: only a data root inside a project needs DVC's own ignore rules
+
+    with Repo(str(project)) as repo:
+        if not repo.dvcignore.is_ignored(repo.fs, str(path)):
+            walking.append("DVC")
+    return walking
 
 
 def temporaries_of(path: Path) -> list[Path]:

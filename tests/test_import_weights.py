@@ -37,7 +37,8 @@ def tiny_volo(num_classes: int = CLASSES, img_size: int = 32, seed: int = 0, **m
 def save_weights(model: torch.nn.Module, path: Path, layout: str) -> Path:
     """`model`'s weights as users have them: safetensors; a plain torch state dict; sail-sg/volo's training
     checkpoint (.pth.tar: timm 0.4's CheckpointSaver under DDP, "module." prefixes, the run's argparse args and
-    optimizer state beside the weights); timm's train.py checkpoint with EMA weights, which are the ones loaded."""
+    optimizer state beside the weights); timm's train.py checkpoint with EMA weights (`model`'s) beside the raw
+    ones (zeros), which only `weights_ema` loads."""
     state = model.state_dict()
     if layout == "safetensors":
         save_file(state, str(path))
@@ -65,10 +66,24 @@ def test_every_format_loads_exactly_the_saved_weights(tmp_path, layout):
     source = tiny_volo(seed=1)
     path = save_weights(source, tmp_path / file_name(layout), layout)
     target = tiny_volo(seed=2)
-    report = models.load_weights(target, path, "pretrain.weights")
+    report = models.load_weights(target, path, "pretrain.weights", use_ema=layout == "timm_ema_checkpoint")
     assert report.loaded == len(source.state_dict()) and not report.resampled and not report.reset
     for key, value in source.state_dict().items():
         assert torch.equal(target.state_dict()[key], value), key
+
+
+@pytest.mark.parametrize("stage", ["teacher", "pretrain", "finetune"])
+def test_a_checkpoint_with_ema_weights_gives_its_state_dict_unless_weights_ema_asks_for_them(tmp_path, stage):
+    """sail-sg/volo's --finetune loads "state_dict" unless --model-ema (and validate.py unless --use-ema): so do
+    init_weights and an imported stage's weights, and <stage>.weights_ema takes "state_dict_ema"."""
+    path = save_weights(tiny_volo(seed=1), tmp_path / "w.pth", "timm_ema_checkpoint")
+    checkpoint = torch.load(path, weights_only=True)
+    for ema in (False, True):
+        cfg = getattr(make_params(**{stage: {"init_weights": str(path), "weights_ema": ema}}), stage)
+        model = tiny_volo(seed=2)
+        weights.start_from_weights(stage, cfg, model)
+        wanted = checkpoint["state_dict_ema" if ema else "state_dict"]
+        assert all(torch.equal(model.state_dict()[key], value) for key, value in wanted.items()), (stage, ema)
 
 
 # ------------------------------------------------------------------------------------------------ init_weights

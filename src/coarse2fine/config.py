@@ -433,11 +433,15 @@ class Train(Section):
     # train: trained here (from init_weights, if given) | import: its model is `weights`, evaluated, not trained.
     mode: Literal["train", "import"] = "train"
     # Local weights files of the stage's model (never downloaded): .safetensors, a torch state dict, or a training
-    # checkpoint (timm's or sail-sg/volo's .pth.tar: its EMA weights, else "state_dict"/"model"). `weights` is the
-    # model itself (mode import); `init_weights` where training starts (another class count: a new head; another
-    # size: the position embedding resampled).
+    # checkpoint (timm's or sail-sg/volo's .pth.tar: "state_dict", else "model"). `weights` is the model itself (mode
+    # import); `init_weights` where training starts (another class count: a new head; another size: the position
+    # embedding resampled).
     weights: str = ""
     init_weights: str = ""
+    # Take a training checkpoint's EMA weights ("state_dict_ema", timm's "model_ema") where it has them. Off, as
+    # sail-sg/volo's --finetune (load_pretrained_weights(use_ema=args.model_ema), --model-ema off by default) and its
+    # validate.py (--use-ema) do.
+    weights_ema: bool = False
     img_size: int = Field(32, gt=0)
     epochs: int = Field(10, gt=0)
     batch_size: int = Field(64, gt=0)  # per device

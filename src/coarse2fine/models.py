@@ -60,17 +60,20 @@ def build_model(model_cfg: Model, num_classes: int, img_size: int, *, mix_token:
         raise UserError(f"{model_cfg.name}: cannot be built with {options} ({_first_line(error)})") from None
 
 
-def load_weights(model: nn.Module, path: str | Path, what: str, *, new_classes: bool = False) -> LoadReport:
+def load_weights(
+    model: nn.Module, path: str | Path, what: str, *, new_classes: bool = False, use_ema: bool = False
+) -> LoadReport:
     """Load a local weights file into `model` and say what was done (`LoadReport`): .safetensors, or anything torch
-    saved that holds a state dict (plain, or a training checkpoint's, timm's and sail-sg/volo's: EMA weights
-    first, else "state_dict"/"model", wrapper prefixes stripped: timm's `load_state_dict`), with weights_only=True.
+    saved that holds a state dict (plain, or a training checkpoint's, timm's and sail-sg/volo's: "state_dict", else
+    "model", or with `use_ema` its EMA weights where it has them; wrapper prefixes stripped: timm's
+    `load_state_dict`), with weights_only=True.
     Strict but for the input size and, with `new_classes`, the classifier (`fit_state_dict`). A missing,
     unreadable or ill-fitting file is a one-line UserError starting with `what` and the path."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{what}: {path}: weights file not found")
     try:
-        state = timm.models.load_state_dict(str(path), use_ema=True, weights_only=True)
+        state = timm.models.load_state_dict(str(path), use_ema=use_ema, weights_only=True)
     except (OSError, MemoryError):
         raise
     except Exception as error:  # safetensors, pickle and torch errors of every kind for a bad file

@@ -27,7 +27,7 @@ def start_from_weights(stage: str, cfg: config.Train, model: nn.Module) -> list[
     resampled) and return what was done, as lines to print."""
     what = f"{stage}.init_weights"
     path = project_path(cfg.init_weights)
-    report = models.load_weights(model, path, what, new_classes=True)
+    report = models.load_weights(model, path, what, new_classes=True, use_ema=cfg.weights_ema)
     return [f"{what}: {line}" for line in report.lines(path)]
 
 
@@ -46,7 +46,7 @@ def import_model(
     embedding is resampled), evaluate it, and write the stage's model file, metrics and MLflow run."""
     what = f"{stage}.weights"
     path = project_path(cfg.weights)
-    notes = models.load_weights(model, path, what).lines(path)
+    notes = models.load_weights(model, path, what, use_ema=cfg.weights_ema).lines(path)
     expected = getattr(model, "pretrained_cfg", {})
     if (expected.get("mean", IMAGE_MEAN), expected.get("std", IMAGE_STD)) != (IMAGE_MEAN, IMAGE_STD):
         notes.append(

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import PROJECT_ROOT, cpu_runtime, make_params
 
 from coarse2fine import models
@@ -32,6 +33,21 @@ def test_volo_weights_load_at_another_resolution_with_the_position_embedding_res
     # The resampled grid is a smooth interpolation of the old one: its mean is kept.
     torch.testing.assert_close(fine.pos_embed.mean((1, 2)), coarse.pos_embed.mean((1, 2)), rtol=0, atol=0.02)
     assert report.lines("coarse.pt") == ["loaded 100 tensors from coarse.pt", "resampled pos_embed 2x2 -> 4x4"]
+
+
+@pytest.mark.parametrize("sizes", [(16, 32), (32, 24)], ids=["2x2 up to 4x4", "4x4 down to 3x3"])
+def test_a_volo_position_embedding_is_resampled_as_sail_sg_volo_does(sizes):
+    """sail-sg/volo's utils.resize_pos_embed_4d (its --finetune at another size): F.interpolate(mode="bicubic") on
+    the [1, C, H, W] grid, align_corners False, no antialiasing (timm's helper antialiases by default)."""
+    coarse_size, fine_size = sizes
+    source = models.build_model(TINY_VOLO, 10, coarse_size)
+    with torch.no_grad():
+        source.pos_embed.normal_(generator=torch.Generator().manual_seed(0))  # a grid with structure to resample
+    target = models.build_model(TINY_VOLO, 10, fine_size)
+    models.fit_state_dict(target, source.state_dict(), "source.pt")
+    grid = target.pos_embed.shape[1:3]
+    reference = F.interpolate(source.pos_embed.permute(0, 3, 1, 2), size=tuple(grid), mode="bicubic").permute(0, 2, 3, 1)
+    torch.testing.assert_close(target.pos_embed, reference, rtol=0, atol=0)
 
 
 def test_vit_keeps_its_class_token_when_its_grid_is_resampled():

@@ -124,8 +124,8 @@ def fit_state_dict(
 ) -> LoadReport:
     """Load weights of the same architecture into `model`, which may take another input size.
 
-    A position embedding of another grid is resampled with timm's helpers (VOLO's NHWC one; ViT's keeping its
-    prefix tokens). With `new_classes`, classifier tensors of another class count keep their initialisation.
+    A position embedding of another grid is resampled with timm's helpers (VOLO's NHWC one, plain bicubic as the
+    reference; ViT's keeping its prefix tokens, antialiased as timm's own checkpoint filter). With `new_classes`, classifier tensors of another class count keep their initialisation.
     Nothing is dropped silently: those keys are in the report, and any other key missing, unexpected or
     misshapen is a UserError naming `source`, the class counts and the keys.
     """
@@ -178,7 +178,9 @@ def _prefix_tokens(model: nn.Module) -> int:
 
 def _resample_pos_embed(model: nn.Module, value: torch.Tensor, target: torch.Tensor) -> torch.Tensor | None:
     if value.ndim == 4:  # VOLO: [1, H, W, C]
-        return resample_abs_pos_embed_nhwc(value, new_size=list(target.shape[1:3]))
+        # Plain bicubic, as sail-sg/volo's utils.resize_pos_embed_4d (F.interpolate(mode="bicubic")): timm's helper
+        # antialiases by default, which gives other values up (renormalised borders) and far other ones down.
+        return resample_abs_pos_embed_nhwc(value, new_size=list(target.shape[1:3]), antialias=False)
     patch_embed = getattr(model, "patch_embed", None)
     if value.ndim == 3 and hasattr(patch_embed, "grid_size"):  # ViT: [1, prefix + H x W, C]
         return resample_abs_pos_embed(

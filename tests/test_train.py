@@ -463,21 +463,27 @@ def test_rerun_after_the_last_epoch_only_writes_the_outputs(tmp_path, monkeypatc
     the half-written one an earlier kill left under its temporary name (as large as a checkpoint)."""
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     finished = make_trainer(tmp_path, epochs=2)
-    history = [{"val_top1": 90.0, "val_top5": 100.0}, {"val_top1": 97.5, "val_top5": 100.0}]
+    history = [{"val_top1": 97.5, "val_top5": 100.0}, {"val_top1": 90.0, "val_top5": 100.0}]
     checkpoint_at(finished, 2, history, None)
     (finished.checkpoint_path.parent / f".{train.CHECKPOINT_FILE}.tmp-4242").write_bytes(b"killed mid-write")
     rerun = make_trainer(tmp_path, epochs=2, model_seed=1)
-    assert rerun.fit() == {"val_top1": 97.5, "val_top5": 100.0}
+    assert rerun.fit() == {"val_top1": 90.0, "val_top5": 100.0}
     assert not rerun.checkpoint_path.parent.exists()
     saved = torch.load(rerun.model_file, weights_only=True)["model"]
     torch.testing.assert_close(saved, finished.model.state_dict(), rtol=0, atol=0)
-    # The curves rebuilt from the checkpoint, up to the last epoch's metrics (no second copy under other names:
-    # a training run's final accuracy is its last val_top1, a column apart from the evaluate stage's top1).
+    # The curves rebuilt from the checkpoint, up to the last epoch's metrics (a training run's final accuracy is its
+    # last val_top1, a column apart from the evaluate stage's top1), and the best epoch's beside them.
     assert json.loads((tmp_path / "metrics" / "metrics.json").read_text()) == {
-        "val_top1": 97.5, "val_top5": 100.0, "step": 1,
+        "val_top1": 90.0, "val_top5": 100.0, "step": 1, "best_val_top1": 97.5, "best_epoch": 1,
     }
     rows = (tmp_path / "metrics" / "plots" / "metrics" / "val_top1.tsv").read_text().splitlines()
-    assert [row.split("\t")[-1] for row in rows] == ["val_top1", "90.0", "97.5"]
+    assert [row.split("\t")[-1] for row in rows] == ["val_top1", "97.5", "90.0"]
+
+
+def test_the_best_epoch_is_the_first_with_the_highest_val_top1():
+    history = [{"val_top1": value} for value in (80.0, 92.5, 92.5, 91.0)]
+    assert train.best_epoch(history) == {"best_val_top1": 92.5, "best_epoch": 2}
+    assert train.best_epoch(history[:1]) == {"best_val_top1": 80.0, "best_epoch": 1}
 
 
 # ------------------------------------------------------------------------------------------ real runs (slow)

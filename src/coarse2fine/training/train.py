@@ -366,6 +366,8 @@ class Trainer:
                     f"val top-1 {metrics['val_top1']:.2f} % top-5 {metrics['val_top5']:.2f} %, lr {metrics['lr']:.3g}, "
                     f"{metrics['train_img_per_s']:.0f} img/s, {metrics['epoch_seconds']:.1f} s"
                 )
+            if self.history:  # beside the last epoch's: what timm's and the reference's train.py report as best
+                tracker.log_summary(best_epoch(self.history))
             final = self.eval_model  # under FSDP a collective: every rank gathers
             if self.runtime.is_main:
                 card = models.save_model_file(
@@ -637,6 +639,13 @@ class Trainer:
                 path.rename(aside / path.name)
         distributed.barrier()
         return aside
+
+
+def best_epoch(history: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """The best val top-1 of the finished epochs and its epoch (1-based; the first of equals, as timm's
+    CheckpointSaver keeps the first checkpoint no later one beats, and sail-sg/volo's main.py reports it)."""
+    best = max(range(len(history)), key=lambda epoch: history[epoch]["val_top1"])
+    return {"best_val_top1": history[best]["val_top1"], "best_epoch": best + 1}
 
 
 def micro_batch(batch: dict[str, torch.Tensor], rows: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -264,3 +264,11 @@ def test_a_volo_profile_names_its_teacher_view_among_its_deviations(path):
     header = "".join(line for line in path.read_text(encoding="utf-8").splitlines(keepends=True) if line.startswith("#"))
     assert load_params(path).token_labels.teacher_view == "whole"
     assert "# Deviations:" in header and "teacher_view: whole" in header.split("# Deviations:", 1)[1]
+
+
+@pytest.mark.parametrize("path", VOLO_PROFILES, ids=lambda path: path.stem)
+def test_a_volo_profile_keeps_the_best_epoch_as_the_reference_does(path):
+    """sail-sg/volo's main.py saves through timm's CheckpointSaver (decreasing=False on --eval-metric top1): the
+    run's model is model_best.pth.tar, and it logs '*** Best metric'. The students keep their best epoch too."""
+    params = load_params(path)
+    assert (params.pretrain.keep, params.finetune.keep) == ("best", "best")

@@ -480,6 +480,38 @@ def test_rerun_after_the_last_epoch_only_writes_the_outputs(tmp_path, monkeypatc
     assert [row.split("\t")[-1] for row in rows] == ["val_top1", "97.5", "90.0"]
 
 
+@pytest.mark.parametrize("keep", ["best", "last"])
+def test_keep_chooses_which_epoch_s_weights_the_model_file_holds_when_the_last_one_is_spoiled(tmp_path, monkeypatch, keep):
+    """The LR spikes to 10 for the last epoch's updates, which spoils it: with keep best the model file holds the
+    best epoch's weights (as validated then), with keep last the spoiled ones; the best epoch's file goes with the
+    checkpoint."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    epochs = 4
+    trainer = make_trainer(
+        tmp_path, train_batches=[random_batch(8, seed) for seed in range(4)], epochs=epochs, batch_size=8, keep=keep
+    )
+    validated, validate, step = [], trainer._validate, trainer.optimizer_step
+
+    def validate_and_keep_a_copy() -> dict[str, float]:
+        validated.append({key: value.clone() for key, value in trainer.eval_model.state_dict().items()})
+        return validate()
+
+    def spiked_step() -> bool:
+        if trainer.updates >= trainer.updates_per_epoch * (epochs - 1):
+            for group in trainer.optimizer.param_groups:
+                group["lr"] = 10.0
+        return step()
+
+    monkeypatch.setattr(trainer, "_validate", validate_and_keep_a_copy)
+    monkeypatch.setattr(trainer, "optimizer_step", spiked_step)
+    trainer.fit()
+    best = train.best_epoch(trainer.history)
+    assert trainer.history[-1]["val_top1"] < best["best_val_top1"]  # the spike spoiled the last epoch
+    saved = torch.load(trainer.model_file, weights_only=True)["model"]
+    torch.testing.assert_close(saved, validated[best["best_epoch"] - 1 if keep == "best" else -1], rtol=0, atol=0)
+    assert not trainer.best_path.exists() and not trainer.checkpoint_path.parent.exists()
+
+
 def test_the_best_epoch_is_the_first_with_the_highest_val_top1():
     history = [{"val_top1": value} for value in (80.0, 92.5, 92.5, 91.0)]
     assert train.best_epoch(history) == {"best_val_top1": 92.5, "best_epoch": 2}

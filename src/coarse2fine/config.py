@@ -452,6 +452,10 @@ class Train(Section):
     clip_grad: float = Field(0.0, ge=0)  # max grad norm; 0 turns clipping off
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: fp32 on CPU, bf16 on GPU
     ema: Ema = Ema()
+    # Which epoch's weights the stage's model file holds: last, or best (the first epoch of the highest val top-1,
+    # as timm's and sail-sg/volo's train.py keep model_best.pth.tar). Best chooses on val, so where val is the only
+    # held-out set its top-1 is no longer an unbiased estimate: last by default, best in the ImageNet VOLO profiles.
+    keep: Literal["last", "best"] = "last"
     mixup: Mixup = Mixup()
     val_crop_pct: float = Field(1.0, gt=0, le=2)
     # This stage's random-resized-crop area range, in place of augment.scale; unset: augment.scale.

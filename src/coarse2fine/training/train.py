@@ -71,6 +71,7 @@ from coarse2fine.tracking.identity import stage_params
 from coarse2fine.training import losses
 
 CHECKPOINT_FILE = "last.pt"
+BEST_FILE = "best.pt"  # beside the checkpoint, with <stage>.keep: best: the best epoch's eval weights so far
 PROGRESS_EVERY = 10  # steps between updates of the progress bar's loss, and checks of a non-finite loss
 # Test-only fault injection: "EPOCH:STEP" (1-based) makes that micro-batch's loss NaN before its backward, as a
 # diverging run's would be (tests/test_train.py). Unset in any real run.
@@ -286,6 +287,7 @@ class Trainer:
         self.train_loader, self.val_loader = train_loader, val_loader
         self.param_sections = tuple(param_sections)
         self.checkpoint_path = paths.checkpoint_dir / CHECKPOINT_FILE
+        self.best_path = paths.checkpoint_dir / BEST_FILE
         self.model_file, self.metrics_dir = paths.model_file, paths.metrics_dir
         # The records the loaders read, for the run's dataset inputs and artifacts; None: synthetic batches (tests).
         self.records_dir = paths.records
@@ -359,6 +361,8 @@ class Trainer:
             for epoch in range(self.start_epoch, self.cfg.total_epochs):
                 metrics = self.train_epoch(epoch) | self._validate()
                 self.history.append(metrics)
+                if self.cfg.keep == "best" and best_epoch(self.history)["best_epoch"] == epoch + 1:
+                    self._save_best()  # before the checkpoint whose history names this epoch best
                 self.save_checkpoint(epoch + 1)
                 tracker.log_metrics(metrics, step=epoch)
                 self._print(
@@ -370,6 +374,11 @@ class Trainer:
                 tracker.log_summary(best_epoch(self.history))
             final = self.eval_model  # under FSDP a collective: every rank gathers
             if self.runtime.is_main:
+                if self.cfg.keep == "best" and self.history:
+                    best = best_epoch(self.history)
+                    final.load_state_dict(models.load_file(self.best_path, "the best epoch's weights"))
+                    self._print(f"keeps epoch {best['best_epoch']}'s weights (val top-1 {best['best_val_top1']:.2f} %, "
+                                f"the best; the last epoch's {self.history[-1]['val_top1']:.2f} %)")
                 card = models.save_model_file(
                     self.model_file, final,
                     model_cfg=self.model_cfg, img_size=self.cfg.img_size, classes=self.classes, stage=self.stage,
@@ -383,8 +392,9 @@ class Trainer:
             for name in (records.CLASSES_FILE, records.MANIFEST_FILE) if self.records_dir else ():
                 tracker.log_artifact(self.records_dir / name)
         if self.runtime.is_main:  # the outputs are written: DVC's cache keeps the result from here on
-            for written in (self.checkpoint_path, *files.temporaries_of(self.checkpoint_path)):
-                written.unlink(missing_ok=True)
+            for kept in (self.checkpoint_path, self.best_path):
+                for written in (kept, *files.temporaries_of(kept)):
+                    written.unlink(missing_ok=True)
             for shards in strategies.shard_directories(self.checkpoint_path.parent):
                 shutil.rmtree(shards)
             with contextlib.suppress(OSError):  # the dir, if nothing else is in it
@@ -561,6 +571,13 @@ class Trainer:
             },
             self.checkpoint_path,
         )
+
+    def _save_best(self) -> None:
+        """The eval weights (the EMA's when on) as the best so far: every rank calls it (FSDP gathers), rank 0
+        writes BEST_FILE."""
+        state = self.eval_model.state_dict()
+        if self.runtime.is_main:
+            models.atomic_save(state, self.best_path)
 
     def _describe_checkpoint(self, epoch: int, within_epoch: EpochProgress | None) -> str:
         """For messages: "epoch 3's end", "epoch 4, batch 120 of 500"."""

@@ -125,7 +125,8 @@ def fit_state_dict(
     """Load weights of the same architecture into `model`, which may take another input size.
 
     A position embedding of another grid is resampled with timm's helpers (VOLO's NHWC one, plain bicubic as the
-    reference; ViT's keeping its prefix tokens, antialiased as timm's own checkpoint filter). With `new_classes`, classifier tensors of another class count keep their initialisation.
+    reference; ViT's keeping its prefix tokens, antialiased as timm's own checkpoint filter). With `new_classes`,
+    classifier tensors of another class count keep their initialisation.
     Nothing is dropped silently: those keys are in the report, and any other key missing, unexpected or
     misshapen is a UserError naming `source`, the class counts and the keys.
     """

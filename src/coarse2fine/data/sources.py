@@ -13,8 +13,8 @@ import dataclasses
 import importlib.resources
 import os
 import random
-from dataclasses import dataclass
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 

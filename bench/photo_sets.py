@@ -100,7 +100,8 @@ def unpacked(photo_set: PhotoSet, scratch: Path) -> Path:
     except FileNotFoundError:
         raise SystemExit("photo_sets: needs Debian's apt-get and dpkg-deb (the photographs come from Debian packages)")
     except subprocess.CalledProcessError as error:
-        raise SystemExit(f"photo_sets: apt-get download {spec} failed: {error.stderr.strip()}")
+        hint = " (apt's package lists may be missing or old: run apt-get update)" if "locate" in error.stderr else ""
+        raise SystemExit(f"photo_sets: apt-get download {spec} failed: {error.stderr.strip()}{hint}")
     (deb,) = scratch.glob(f"{photo_set.package}_*.deb")
     subprocess.run(["dpkg-deb", "-x", str(deb), str(scratch / "root")], check=True)
     return scratch / "root"

@@ -532,7 +532,8 @@ def train_two_ranks(records_dir: Path, out: Path, variant: str) -> dict[str, tor
     train.seed_everything(0, cpu_runtime())  # rank 0's initial weights, which DDP broadcast to rank 1
     initial = models.build_model(two_rank_params("eager").model, NUM_CLASSES, 32).state_dict()
     assert not any(torch.equal(rank0[name], initial[name]) for name in ("head.weight", "pos_embed", "cls_token"))
-    assert (out / "model.pt").is_file()  # rank 0 finished the stage
+    saved = torch.load(out / "model.pt", weights_only=True)["model"]  # rank 0 finished the stage
+    torch.testing.assert_close(saved, rank0, rtol=0, atol=0)  # (its one epoch is also its best)
     assert json.loads((out / "metrics" / "metrics.json").read_text())["step"] == 0  # its one epoch, logged
     return rank0
 
@@ -559,7 +560,9 @@ def test_a_compiled_fsdp_stage_trains_and_writes_its_model(digits_records, tmp_p
 def two_rank_params(variant: str):
     # 217 training samples per rank: 13 batches of 16, i.e. 6 updates of 2 micro-batches and a last one of 1.
     return make_params(
-        pretrain={"epochs": 1, "batch_size": 16, "accum_steps": 2, "compile": variant != "eager"},
+        # FSDP keeps its best epoch: the best weights gathered from the shards at every improvement, loaded at the end.
+        pretrain={"epochs": 1, "batch_size": 16, "accum_steps": 2, "compile": variant != "eager",
+                  "keep": "best" if variant.endswith("fsdp") else "last"},
         model={"drop_path": 0.1}, parallel={"strategy": "fsdp" if variant.endswith("fsdp") else "ddp"},
     )
 

@@ -68,6 +68,9 @@ def test_shipped_params_are_valid_and_document_every_training_knob():
         ("pretrain.mode", "import", "pretrain.weights: required when mode is 'import'"),
         ("finetune.mode", "import", "finetune.weights: required when mode is 'import'"),
         ("token_labels.teacher_view", "crop", "token_labels.teacher_view: Input should be 'whole' or 'center'"),
+        ("tracking.champion_alias", "latest", "tracking.champion_alias: 'latest' is reserved by MLflow's registry"),
+        ("tracking.candidate_alias", "v3", "tracking.candidate_alias: 'v3' is reserved by MLflow's registry"),
+        ("tracking.champion_alias", "candidate", "tracking: candidate_alias and champion_alias are both 'candidate'"),
         # Token labeling needs a prediction per token: a CNN student has none.
         ("model", {"name": "resnet18"}, "pretrain.token_label.enabled: model.name 'resnet18' has no per-token outputs"),
         # A named timm model has its own layout: the tiny VOLO's keys cannot apply to it.

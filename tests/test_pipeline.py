@@ -239,10 +239,10 @@ def check_the_registered_model_predicts_as_evaluated(project: Project) -> None:
     from conftest import cpu_runtime
 
     params = load_params(project.path / "params.yaml")
-    uri = f"models:/{params.tracking.registered_model}@{params.tracking.model_alias}"
+    uri = f"models:/{params.tracking.registered_model}@{params.tracking.candidate_alias}"
     model_file = project.path / "models/finetune/model.pt"
     payload = models.read_model_file(model_file)
-    version = project.mlflow().get_model_version_by_alias(params.tracking.registered_model, params.tracking.model_alias)
+    version = project.mlflow().get_model_version_by_alias(params.tracking.registered_model, params.tracking.candidate_alias)
     assert version.run_id == stage_run(project, pipeline_runs(project)[-1], "finetune").info.run_id
     evaluated = models.model_from_payload(payload, model_file)
     loader = build_loader(

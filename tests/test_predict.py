@@ -246,8 +246,8 @@ def test_a_registered_mlflow_model_predicts_as_its_model_file(model_file, val_im
     version = client.create_model_version(
         "digits", source=f"models:/{model_id}", run_id=tracker.run_id, model_id=model_id
     )
-    client.set_registered_model_alias("digits", "current", version.version)
-    uri = "models:/digits@current"
+    client.set_registered_model_alias("digits", "candidate", version.version)
+    uri = "models:/digits@candidate"
 
     from_file, _ = predicted(model_file, val_images)
     from_mlflow, _ = predicted(uri, val_images)

@@ -18,13 +18,15 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import PROJECT_ROOT, cpu_runtime, make_params
+from conftest import DIGITS_RECORDS_PARAMS, PROJECT_ROOT, cpu_runtime, make_params
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 from mlflow.utils.mlflow_tags import MLFLOW_GIT_COMMIT, MLFLOW_PARENT_RUN_ID
 
 from coarse2fine import models
 from coarse2fine.config import flatten, parse_params
+from coarse2fine.data import records
+from coarse2fine.data.convert import convert
 from coarse2fine.data.transforms import eval_transform
 from coarse2fine.errors import UserError
 from coarse2fine.distributed import Runtime
@@ -315,7 +317,11 @@ def test_a_training_run_holds_its_datasets_curves_and_model_and_the_result_is_re
     env = {key: value for key, value in os.environ.items() if key != "MLFLOW_TRACKING_URI"}
     command = [sys.executable, str(PROJECT_ROOT / "stages" / "lineage.py"), "--params", str(workdir / "params.yaml"),
                "--lock", str(workdir / "dvc.lock")]
-    registered = [f"lineage: finetune: model registered as models:/{name}/1, alias current (models:/{name}@current)"]
+    registered = [
+        f"lineage: finetune: model registered as models:/{name}/1, alias candidate (models:/{name}@candidate)",
+        "lineage: finetune: alias champion stays on no version: version 1 has no evaluation on record "
+        "(python -m coarse2fine.promote 1 moves it)",
+    ]
     mark = store.with_name(f"{store.name}.lineage.json")
 
     def lineage() -> list[str]:
@@ -330,15 +336,87 @@ def test_a_training_run_holds_its_datasets_curves_and_model_and_the_result_is_re
     assert not (copy / "mlflow.db").exists()
     (version,) = client(store).search_model_versions(f"name = '{name}'")
     assert (version.run_id, version.source) == (tracker.run_id, f"models:/{run.data.tags['model.id']}")
-    assert client(store).get_model_version_by_alias(name, "current").version == version.version
+    assert client(store).get_model_version_by_alias(name, "candidate").version == version.version
 
-    loaded, loaded_card = load_logged_model(f"models:/{name}@current")
+    loaded, loaded_card = load_logged_model(f"models:/{name}@candidate")
     images = torch.randn(5, 3, 16, 16)  # another batch size than the example it was exported with
     with torch.inference_mode():
         torch.testing.assert_close(loaded(images), model.eval()(images))
     assert loaded_card["classes"] == list("0123456789") and loaded_card["eval_transform"]["crop_pct"] == 0.875
     with pytest.raises(UserError, match="@nowhere"):
         load_logged_model(f"models:/{name}@nowhere")
+
+
+def test_the_champion_moves_only_to_a_better_full_data_result_or_by_promotion(
+    workdir, store, request, digits_records, tmp_path_factory, monkeypatch
+):
+    """Every result takes the candidate alias; the champion only a whole-data result with a better top-1 on the same
+    val set: a better pipeline, then a subset sweep point with a higher top-1 on its own (smaller) val set and a
+    worse whole-data one leave it on the better; `python -m coarse2fine.promote` moves it by hand."""
+    subset_records = tmp_path_factory.mktemp("subset_records")
+    convert(make_params(**{**DIGITS_RECORDS_PARAMS, "data": {**DIGITS_RECORDS_PARAMS["data"], "subset": 0.2}}),
+            cpu_runtime(), subset_records)
+    name = request.node.name
+    mlflow = client(store)
+
+    def pipeline(seed: int, top1: float, subset: float = 1.0) -> list[str]:
+        params = params_for(request, seed=seed, data={"subset": subset})
+        model = models.build_model(params.model, 10, 16)
+        with Tracker("finetune", params, cpu_runtime(), metrics_dir=workdir / f"f{seed}",
+                     param_sections=("seed",)) as tracker:
+            card = models.save_model_file(
+                workdir / f"model{seed}.pt", model, model_cfg=params.model, img_size=16, classes=list("0123456789"),
+                stage="finetune", eval_transform=eval_transform(16, 0.875, "bicubic"),
+            )
+            tracker.log_model(model, card)
+        with Tracker("evaluate@finetune", params, cpu_runtime(), metrics_dir=workdir / f"e{seed}",
+                     param_sections=("seed",)) as evaluation:
+            evaluation.log_records(digits_records if subset == 1 else subset_records, "val")
+            evaluation.log_summary({"top1": top1})
+        lines = record_lineage(params, lock_with({"finetune": f"{seed:032x}", "evaluate@finetune": f"{seed:032d}"}))
+        assert mlflow.get_model_version_by_alias(name, "candidate").run_id == tracker.run_id
+        return [line.split(": ", 1)[1] for line in lines if "alias champion" in line]
+
+    def champion() -> int:
+        return mlflow.get_model_version_by_alias(name, "champion").version
+
+    val_set = f"digits val (subset 0.3) {records.split_summary(digits_records, 'val').digest}"
+    assert pipeline(1, top1=80.0) == [
+        f"alias champion moved to version 1: the first result trained on the whole data set (top-1 80.00 % on "
+        f"{val_set})"
+    ]
+    assert pipeline(2, top1=90.0) == [
+        f"alias champion moved to version 2: top-1 90.00 % beats the champion's 80.00 % on {val_set}"
+    ]
+    assert pipeline(3, top1=95.0, subset=0.2) == [
+        "alias champion stays on version 2: version 3 was trained on data.subset 0.2, not the whole data set "
+        "(python -m coarse2fine.promote 3 moves it)"
+    ]
+    assert pipeline(4, top1=85.0) == [
+        f"alias champion stays on version 2: version 4 has top-1 85.00 %, not above the champion's 90.00 % on "
+        f"{val_set} (python -m coarse2fine.promote 4 moves it)"
+    ]
+    assert champion() == 2
+    subset_tags = mlflow.get_model_version(name, "3").tags  # what the rule read, on the version's page
+    assert (subset_tags["val.top1"], subset_tags["data.subset"]) == ("95.0", "0.2")
+    assert subset_tags["val.dataset"].startswith("digits val (subset 0.2) ")
+
+    params_file = workdir / "params.yaml"
+    params_file.write_text(yaml.safe_dump(params_for(request).model_dump(mode="json")))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    promote = [sys.executable, "-m", "coarse2fine.promote", "--params", str(params_file)]
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{store}"}
+    moved = subprocess.run([*promote, "candidate"], env=env, capture_output=True, text=True, check=True)
+    assert moved.stdout == f"models:/{name}@champion -> version 4 (85.0 % top-1 on {val_set})\n"
+    assert champion() == 4
+    missing = subprocess.run([*promote, "9"], env=env, capture_output=True, text=True)
+    assert missing.returncode == 2 and missing.stderr.startswith(f"error: cannot promote {name!r} '9' at sqlite:")
+    assert len(missing.stderr.splitlines()) == 1 and champion() == 4
+    nowhere = subprocess.run([*promote, "4"], env={**env, "MLFLOW_TRACKING_URI": f"sqlite:///{workdir}/none.db"},
+                             capture_output=True, text=True)
+    assert (nowhere.returncode, nowhere.stderr) == (
+        2, f"error: no MLflow store at {workdir}/none.db: run the pipeline first, or set MLFLOW_TRACKING_URI\n"
+    )
 
 
 class DataDependent(torch.nn.Module):

@@ -616,21 +616,34 @@ class Evaluate(Section):
 EVALUATED_MODELS = ("pretrain", "finetune")
 
 
+# An MLflow registry alias: a letter or underscore, then letters, digits, _ and -.
+ALIAS_PATTERN = r"^[A-Za-z_][A-Za-z0-9_-]*$"
+
+
 class Tracking(Section):
     experiment: str = Field("coarse2fine", min_length=1)
-    # The MLflow registry entry of the pipeline's result (the fine-tuned model) and the alias moved to each new one.
+    # The MLflow registry entry of the pipeline's result (the fine-tuned model). The candidate alias moves to every
+    # new result; the champion alias only to a result trained on the whole data set that beats the champion's top-1
+    # on the same val set, or by `python -m coarse2fine.promote` (tracking.lineage, `champion_verdict`).
     registered_model: str = Field("coarse2fine", min_length=1)
-    model_alias: str = Field("current", pattern=r"^[A-Za-z_][A-Za-z0-9_-]*$")
+    candidate_alias: str = Field("candidate", pattern=ALIAS_PATTERN)
+    champion_alias: str = Field("champion", pattern=ALIAS_PATTERN)
     # Each training stage logs its model as an MLflow model (torch.export: 3-5 s a stage on a CPU) and lineage
     # registers the result; off, models/ holds the only copies (quick sweeps). Changes no output: no stage lists it.
     log_models: bool = True
 
-    @field_validator("model_alias")
+    @field_validator("candidate_alias", "champion_alias")
     @classmethod
     def _not_reserved(cls, alias: str) -> str:
         if alias.lower() == "latest" or re.fullmatch(r"v\d+", alias.lower()):
-            raise ValueError(f"{alias!r} is reserved by MLflow's registry (latest, v<number>); e.g. current")
+            raise ValueError(f"{alias!r} is reserved by MLflow's registry (latest, v<number>); e.g. candidate")
         return alias
+
+    @model_validator(mode="after")
+    def _two_aliases(self) -> Tracking:
+        if self.candidate_alias == self.champion_alias:
+            raise ValueError(f"candidate_alias and champion_alias are both {self.champion_alias!r}: name two aliases")
+        return self
 
 
 class Params(Section):

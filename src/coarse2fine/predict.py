@@ -1,7 +1,7 @@
 """`python -m coarse2fine.predict MODEL IMAGE_OR_DIR... [--json]`: the top-5 classes of images, by a trained model.
 
 MODEL is a model file (`models/finetune/model.pt`) or a model the training stages logged to this project's MLflow
-store (`models:/coarse2fine@current`, `models:/<name>/<version>`, `runs:/<run>/model`; the store is
+store (`models:/coarse2fine@champion`, `models:/<name>/<version>`, `runs:/<run>/model`; the store is
 MLFLOW_TRACKING_URI or ./mlflow.db). Images are files of any format PIL reads, or directories, walked recursively
 in sorted order with hidden files and folders skipped. Each image is prepared as its record was for the model's
 validation: RGB as the convert stage makes it (transparent pixels on white, EXIF orientation ignored), then the

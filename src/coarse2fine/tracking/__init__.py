@@ -30,7 +30,8 @@ Lineage. A stage DVC skipped has no run of its own in the new pipeline run. The 
 pipeline is tagged with its outputs' DVC hashes (`dvc.outs`), and each stage without one gets a "<stage> (cached)"
 run, tagged `cached_from` = the run whose `dvc.outs` match the outputs DVC kept, with that run's params and metric
 histories. The pipeline's result, the model its finetune run (or the run a cached finetune links to) logged, is
-registered under params tracking.registered_model and the alias tracking.model_alias is moved to it. When the
+registered under params tracking.registered_model: tracking.candidate_alias moves to it, tracking.champion_alias
+only if it was trained on the whole data set and beats the champion's top-1 on the same val set. When the
 pipeline's key, dvc.lock's outputs and the store are what the last record left, there is nothing to record and
 MLflow is not opened.
 

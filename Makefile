@@ -13,7 +13,7 @@ export PATH := $(CURDIR)/$(BIN):$(PATH)
 PLOTS_TEMPLATE := .dvc/plots_offline.html
 NPM_CI := npm ci --prefix docs --ignore-scripts --omit=optional --no-audit --no-fund
 
-.PHONY: setup plots-if-node repro test test-fast slurm deps bench ablation teacher-quality screenshot ui sweep clean-venv
+.PHONY: setup plots-if-node repro test test-fast slurm servers deps bench ablation teacher-quality screenshot ui server promote sweep clean-venv
 
 setup: $(STAMP)
 
@@ -42,7 +42,7 @@ repro: setup $(PLOTS_TEMPLATE)
 # PYTEST_ARGS go to both parts (`make test PYTEST_ARGS=--update-durations` refreshes tests/durations.json).
 TEST_WORKERS ?= 2
 PYTEST_ARGS ?=
-test: setup plots-if-node slurm
+test: setup plots-if-node slurm servers
 	status=0; $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist worksteal -m "not serial" $(PYTEST_ARGS) || status=$$?; \
 	  $(BIN)/python -m pytest -m serial $(PYTEST_ARGS) || status=$$?; exit $$status
 
@@ -57,6 +57,14 @@ slurm:
 	@if [ "$$(id -u)" = 0 ] && ! { test -x /usr/sbin/slurmctld && test -x /usr/sbin/munged; }; then \
 	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge >/dev/null; } \
 	  || echo "warning: could not install slurm-wlm and munge: tests/test_slurm.py's sbatch test is skipped" >&2; fi
+
+# tests/test_team.py (and test_tracking.py's server test) start Debian's PostgreSQL (initdb, pg_ctl in a temporary
+# folder) and sshd (its own port and keys) themselves: installed here when missing and we are root (elsewhere, or if
+# apt fails, those tests say why they skip).
+servers:
+	@if [ "$$(id -u)" = 0 ] && ! { ls /usr/lib/postgresql/*/bin/initdb && test -x /usr/sbin/sshd; } >/dev/null 2>&1; then \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql openssh-server >/dev/null; } \
+	  || echo "warning: could not install postgresql and openssh-server: the team set-up's tests are skipped" >&2; fi
 
 # dvc.yaml's code deps rewritten from the stages' imports, after adding, moving or removing a module
 # (tests/test_provenance.py fails while they differ).
@@ -116,14 +124,31 @@ sweep: setup
 	$(BIN)/dvc queue stop
 	$(BIN)/dvc exp show --md --drop '.*' --keep 'Experiment|$(SWEEP_COLUMNS)|metrics/evaluate/.*:top1$$'
 
-# The MLflow UI of ./mlflow.db on loopback. MLflow 3.17's UI starts on its GenAI view unless the address (or its
-# sidebar switch, which the browser remembers) asks for model training: open the address printed first.
+# The MLflow UI on loopback: of MLFLOW_TRACKING_URI's server when it names one (make server), else of ./mlflow.db.
+# MLflow 3.17's UI starts on its GenAI view unless the address (or its sidebar switch, which the browser remembers)
+# asks for model training: open the address printed first.
 UI_PORT ?= 5000
-EXPERIMENT_ID = $(shell $(BIN)/python -c "from mlflow import MlflowClient; e = MlflowClient('sqlite:///mlflow.db').get_experiment_by_name('$(EXPERIMENT)'); print(e.experiment_id if e else 0)" 2>/dev/null)
+TRACKING_URI = $(or $(MLFLOW_TRACKING_URI),sqlite:///mlflow.db)
+EXPERIMENT_ID = $(shell $(BIN)/python -c "from mlflow import MlflowClient; e = MlflowClient('$(TRACKING_URI)').get_experiment_by_name('$(EXPERIMENT)'); print(e.experiment_id if e else 0)" 2>/dev/null)
 
 ui: setup
-	@echo "open http://127.0.0.1:$(UI_PORT)/#/experiments/$(EXPERIMENT_ID)/runs?workflowType=machine_learning"
-	MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false $(BIN)/mlflow ui --backend-store-uri sqlite:///mlflow.db --host 127.0.0.1 --port $(UI_PORT)
+	@case "$(TRACKING_URI)" in \
+	  http://*|https://*) echo "open $(TRACKING_URI)/#/experiments/$(EXPERIMENT_ID)/runs?workflowType=machine_learning" \
+	    "(the server's own UI: nothing to start)";; \
+	  *) echo "open http://127.0.0.1:$(UI_PORT)/#/experiments/$(EXPERIMENT_ID)/runs?workflowType=machine_learning"; \
+	    MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false $(BIN)/mlflow ui --backend-store-uri $(TRACKING_URI) \
+	      --host 127.0.0.1 --port $(UI_PORT);; esac
+
+# A team's tracking server (docs/team.md): MLflow with PostgreSQL as its backend store and proxied artifacts, on
+# 127.0.0.1:5000; without --db it runs a PostgreSQL cluster of its own in .mlflow-server/. E.g.
+#   make server SERVER_ARGS="--db postgresql://mlflow:PASS@dbhost/mlflow --artifacts s3://bucket/mlflow --host 0.0.0.0"
+SERVER_ARGS ?=
+server: setup
+	$(BIN)/python -m coarse2fine.server $(SERVER_ARGS)
+
+# Move the registered model's champion alias by hand, e.g. make promote VERSION=7 (or VERSION=candidate).
+promote: setup
+	$(BIN)/python -m coarse2fine.promote $(VERSION)
 
 # A GPU node (docs/gpu.md). `make wheelhouse PYTHON_VERSION=3.12`, where pip reaches PyPI: every pinned wheel but
 # torch and torchvision (the node's own) for the node's Python, and the project's, in WHEELHOUSE. `make gpu-check`

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,9 @@ from coarse2fine.config import Params, parse_params
 from coarse2fine.data.convert import convert
 from coarse2fine.data.loaders import build_loader
 from coarse2fine.distributed import Runtime
+from coarse2fine.errors import UserError
 from coarse2fine.labels.store import TokenLabelStore
+from coarse2fine.server import local_postgres, mlflow_server, postgres_program
 from coarse2fine.stage_server import SERVER_ENV, running as running_stage_server
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -320,6 +323,88 @@ def free_ports(count: int) -> list[int]:
     for probe in sockets:
         probe.close()
     return ports
+
+
+class TeamServer:
+    """An MLflow tracking server with PostgreSQL as its backend store and proxied artifacts, started as `make server`
+    starts them (coarse2fine.server) on 127.0.0.1 ports of their own. `stop()` and `start()` take the MLflow server
+    away and bring it back on the same port; the database stays."""
+
+    def __init__(self, stack: contextlib.ExitStack, artifacts: Path) -> None:
+        pg_port, self.port = free_ports(2)
+        # Its own folder under /tmp: as root, PostgreSQL runs as the postgres user, who cannot enter pytest's.
+        home = Path(tempfile.mkdtemp(prefix="coarse2fine-pg-"))
+        stack.callback(shutil.rmtree, home, ignore_errors=True)
+        self.db = stack.enter_context(local_postgres(home, pg_port))
+        self.artifacts, self.log = artifacts, artifacts.parent / "server.log"
+        self.uri = f"http://127.0.0.1:{self.port}"
+        self._server: contextlib.ExitStack | None = None
+        stack.callback(self.stop)
+        self.start()
+
+    def start(self) -> None:
+        self._server = contextlib.ExitStack()
+        self._server.enter_context(mlflow_server(self.db, str(self.artifacts), port=self.port, log=self.log))
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+
+
+@pytest.fixture(scope="session")
+def team_server(tmp_path_factory: pytest.TempPathFactory):
+    """A TeamServer for the session (PostgreSQL's and MLflow's start take about 20 s); skipped, saying why, where
+    Debian's PostgreSQL server is not installed (`make test` installs it as root)."""
+    try:
+        postgres_program("initdb")
+    except UserError as error:
+        pytest.skip(str(error))
+    with contextlib.ExitStack() as stack:
+        yield TeamServer(stack, tmp_path_factory.mktemp("team_server") / "artifacts")
+
+
+class SshServer:
+    """Debian's sshd on 127.0.0.1 (a port of its own), keys made here; `ssh_command` logs in to it as this user under
+    two host names of this machine, HOSTS, as coarse2fine.ssh's COARSE2FINE_SSH would on a cluster."""
+
+    HOSTS = ("localhost", "127.0.0.1")
+
+    def __init__(self, stack: contextlib.ExitStack, directory: Path) -> None:
+        (self.port,) = free_ports(1)
+        for key in ("host_key", "client_key"):
+            subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(directory / key)], check=True)
+        (directory / "authorized_keys").write_text((directory / "client_key.pub").read_text())
+        (directory / "sshd_config").write_text(
+            f"Port {self.port}\nListenAddress 127.0.0.1\nHostKey {directory}/host_key\nPidFile {directory}/sshd.pid\n"
+            f"AuthorizedKeysFile {directory}/authorized_keys\nPasswordAuthentication no\n"
+            "KbdInteractiveAuthentication no\nPermitRootLogin prohibit-password\nStrictModes no\nUsePAM no\n"
+            "MaxStartups 100\n"
+        )
+        (directory / "ssh_config").write_text(
+            f"Host {' '.join(self.HOSTS)}\n  Port {self.port}\n  IdentityFile {directory}/client_key\n"
+            "  IdentitiesOnly yes\n  StrictHostKeyChecking no\n  UserKnownHostsFile /dev/null\n  LogLevel ERROR\n"
+        )
+        self.ssh_command = f"ssh -F {directory}/ssh_config"
+        if os.geteuid() == 0:
+            Path("/run/sshd").mkdir(exist_ok=True)  # its privilege separation directory, which Debian's unit makes
+        daemon = subprocess.Popen(["/usr/sbin/sshd", "-D", "-e", "-f", str(directory / "sshd_config")],
+                                  stdout=subprocess.DEVNULL, stderr=(directory / "sshd.log").open("w"))
+        stack.callback(lambda: (daemon.terminate(), daemon.wait(30)))
+        deadline = time.monotonic() + 30
+        while subprocess.run([*self.ssh_command.split(), self.HOSTS[0], "true"], capture_output=True).returncode:
+            assert daemon.poll() is None and time.monotonic() < deadline, (directory / "sshd.log").read_text()
+            time.sleep(0.2)
+
+
+@pytest.fixture(scope="session")
+def ssh_server(tmp_path_factory: pytest.TempPathFactory):
+    """An SshServer for the session; skipped, saying why, where Debian's openssh-server is not installed
+    (`make test` installs it as root)."""
+    if not Path("/usr/sbin/sshd").exists():
+        pytest.skip("no sshd here: apt-get install openssh-server, as make test does as root")
+    with contextlib.ExitStack() as stack:
+        yield SshServer(stack, tmp_path_factory.mktemp("ssh"))
 
 
 def merge(base: dict, change: dict) -> dict:

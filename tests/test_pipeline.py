@@ -6,11 +6,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 import urllib.parse
 import urllib.request
@@ -21,7 +16,9 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import Project, ran_stages
+from conftest import Project, free_ports, ran_stages
+
+from coarse2fine import server
 
 pytestmark = pytest.mark.slow
 
@@ -290,40 +287,15 @@ def finetuned_top1_at(project: Project, img_size: int) -> float:
 
 @contextlib.contextmanager
 def mlflow_server(database: Path):
-    """`mlflow server` on 127.0.0.1 (a free port) over `database`; yields a tiny REST client of its API."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", "MLFLOW_DISABLE_TELEMETRY": "true"}
-    server = subprocess.Popen(
-        ["mlflow", "server", "--backend-store-uri", f"sqlite:///{database}", "--host", "127.0.0.1",
-         "--port", str(port), "--workers", "1"],
-        env={**env, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"},
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
-    )
-    rest = RestClient(f"http://127.0.0.1:{port}/api/2.0/mlflow/")
-    try:
-        deadline = time.monotonic() + 120
-        while not rest.healthy():
-            assert server.poll() is None, server.stderr.read().decode()[-3000:]
-            assert time.monotonic() < deadline, "mlflow server did not answer in 120 s"
-            time.sleep(0.5)
-        yield rest
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(timeout=60)
+    """`mlflow server` on 127.0.0.1 (a free port) over `database`, one worker; yields a tiny REST client of its API."""
+    (port,) = free_ports(1)
+    with server.mlflow_server(f"sqlite:///{database}", str(database.parent / "mlruns"), port=port, workers=1):
+        yield RestClient(f"http://127.0.0.1:{port}/api/2.0/mlflow/")
 
 
 class RestClient:
     def __init__(self, base: str):
         self.base = base
-
-    def healthy(self) -> bool:
-        try:
-            with urllib.request.urlopen(self.base.split("/api/")[0] + "/health", timeout=5) as response:
-                return response.status == 200
-        except OSError:
-            return False
 
     def get(self, endpoint: str, **query: str) -> dict:
         with urllib.request.urlopen(f"{self.base}{endpoint}?{urllib.parse.urlencode(query)}", timeout=60) as response:

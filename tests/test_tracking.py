@@ -34,6 +34,7 @@ from coarse2fine.tracking.identity import (
     DVC_EXPERIMENT_TAG, GIT_COMMIT_TAG, GIT_DIRTY_TAG, OUTPUTS_TAG, PIPELINE_KEY_TAG, PIPELINE_STAGE, REPLACED_BY_TAG,
     STAGE_TAG, outputs_digest, stage_params, tracking_uri,
 )
+from coarse2fine.tracking import outbox
 from coarse2fine.tracking.lineage import record_lineage
 from coarse2fine.tracking.logged_model import load_logged_model
 from coarse2fine.tracking.runs import Tracker
@@ -757,26 +758,113 @@ def test_stages_creating_a_fresh_store_at_once_both_succeed(tmp_path):
     assert {run.data.tags[MLFLOW_PARENT_RUN_ID] for run in stages} == {pipeline.info.run_id}
 
 
-def test_mlflow_failing_mid_stage_is_one_warning_and_nothing_is_lost(workdir, store, request, monkeypatch, caplog):
+def server_gone(*args, **kwargs):
+    raise MlflowException("API request failed: connection refused")
+
+
+def test_writes_mlflow_cannot_take_wait_in_order_and_reach_the_run_when_it_is_back(
+    workdir, store, request, monkeypatch, caplog
+):
+    metrics_dir = workdir / "metrics"
+    with Tracker("pretrain", params_for(request), cpu_runtime(), metrics_dir=metrics_dir, param_sections=PRETRAIN_SECTIONS) as tracker:
+        tracker.log_metrics({"train_loss": 2.0}, step=0)
+        with monkeypatch.context() as away:
+            away.setattr(MlflowClient, "log_batch", server_gone)
+            away.setattr(MlflowClient, "set_tag", server_gone)
+            tracker.log_metrics({"train_loss": 1.0}, step=1)
+            tracker.set_tag("k", "v")
+            tracker.log_metrics({"train_loss": 0.5}, step=2)
+        tracker.log_summary({"top1": 90.0})
+    assert caplog.text.count("is not reachable (API request failed: connection refused)") == 1, caplog.text
+    assert caplog.text.count("is back:") == 1, caplog.text
+    run = client(store).get_run(tracker.run_id)
+    assert history(store, tracker.run_id, "train_loss") == [(0, 2.0), (1, 1.0), (2, 0.5)]
+    assert (run.data.tags["k"], run.data.metrics["top1"], run.info.status) == ("v", 90.0, "FINISHED")
+    assert tsv_rows(metrics_dir / "plots/metrics/train_loss.tsv")[1:] == [["0", "2.0"], ["1", "1.0"], ["2", "0.5"]]
+
+
+def test_a_store_that_never_comes_back_costs_one_warning_each_way_and_no_metric(
+    workdir, store, request, monkeypatch, caplog
+):
     metrics_dir = workdir / "metrics"
     with Tracker("pretrain", params_for(request), cpu_runtime(), metrics_dir=metrics_dir, param_sections=PRETRAIN_SECTIONS) as tracker:
         tracker.log_metrics({"train_loss": 2.0}, step=0)
         run_id = tracker.run_id
-
-        def server_gone(*args, **kwargs):
-            raise MlflowException("API request failed: connection refused")
-
         monkeypatch.setattr(MlflowClient, "log_batch", server_gone)
         monkeypatch.setattr(MlflowClient, "set_terminated", server_gone)
         tracker.log_metrics({"train_loss": 1.0}, step=1)
         tracker.set_tag("k", "v")
         tracker.log_summary({"top1": 90.0})
-    assert caplog.text.count("is not usable (") == 1 and "connection refused" in caplog.text, caplog.text
+    assert caplog.text.count("is not reachable (") == 1, caplog.text
+    # log_batch twice, set_tag, the stage's and the pipeline's set_terminated: a SQLite store gets one last try.
+    assert caplog.text.count("still unreachable: 5 write(s) not sent") == 1, caplog.text
     assert tsv_rows(metrics_dir / "plots/metrics/train_loss.tsv")[1:] == [["0", "2.0"], ["1", "1.0"]]
     assert json.loads((metrics_dir / "metrics.json").read_text())["top1"] == 90.0
     monkeypatch.undo()
-    assert tracker.run_id is None
     assert history(store, run_id, "train_loss") == [(0, 2.0)]  # what MLflow had before it went
+
+
+def test_the_outbox_backs_off_keeps_order_and_bounds_what_waits(monkeypatch, caplog):
+    now = [0.0]
+    sent, down = [], [True]
+
+    def send(method, args, kwargs):
+        if down[0]:
+            raise OSError("connection refused")
+        sent.append(args[0])
+
+    monkeypatch.setattr(outbox, "MAX_WRITES", 4)
+    box = outbox.Outbox(send, "http://server", clock=lambda: now[0])
+    for second in range(0, 200):
+        now[0] = float(second)
+        box.write("log", second)
+    assert box.waiting == 4  # the newest four; the rest dropped, with one warning
+    assert caplog.text.count("the oldest are dropped") == 1
+    down[0] = False
+    now[0] = 200.0
+    assert box.drain(0) and sent == [196, 197, 198, 199]
+    box.write("log", 200)
+    assert sent[-1] == 200  # nothing waits: sent at once
+
+
+def test_the_outbox_retries_at_doubling_intervals_up_to_a_minute():
+    now, tries = [0.0], []
+
+    def send(method, args, kwargs):
+        tries.append(now[0])
+        raise OSError("connection refused")
+
+    box = outbox.Outbox(send, "http://server", clock=lambda: now[0])
+    for second in range(0, 300):
+        now[0] = float(second)
+        box.write("log", second)
+    # The first failure, then 5, 10, 20, 40 and 60 s after each failed retry.
+    assert tries[:7] == [0.0, 5.0, 15.0, 35.0, 75.0, 135.0, 195.0]
+    assert all(later - earlier == 60.0 for earlier, later in zip(tries[5:], tries[6:]))
+
+
+@pytest.mark.slow
+def test_a_tracking_server_away_for_a_minute_mid_stage_loses_no_epoch(team_server, request, monkeypatch, tmp_path):
+    """The stage's run goes on through a real server's restart (PostgreSQL behind it): the epochs logged while it
+    was away reach the run once it is back, in order, and the run ends FINISHED."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", team_server.uri)
+    monkeypatch.chdir(tmp_path)
+    with Tracker("pretrain", params_for(request), cpu_runtime(), metrics_dir=tmp_path / "metrics",
+                 param_sections=PRETRAIN_SECTIONS) as tracker:
+        tracker.log_metrics({"train_loss": 1.0}, step=0)
+        team_server.stop()
+        away = time.monotonic()
+        for epoch in range(1, 4):  # epochs end while it is away
+            tracker.log_metrics({"train_loss": 1.0 / (epoch + 1)}, step=epoch)
+            time.sleep(20)
+        team_server.start()
+        assert time.monotonic() - away >= 60
+        tracker.log_metrics({"train_loss": 0.2}, step=4)
+    server = MlflowClient(team_server.uri)
+    assert [(metric.step, metric.value) for metric in server.get_metric_history(tracker.run_id, "train_loss")] == [
+        (0, 1.0), (1, 0.5), (2, 1 / 3), (3, 0.25), (4, 0.2)
+    ]
+    assert server.get_run(tracker.run_id).info.status == "FINISHED"
 
 
 def schema_revision(database: Path) -> str | None:

@@ -83,13 +83,16 @@ class Launch(Section):
     (nnodes x nproc_per_node) changes a result, the global batch and so the LR of the training stages, which list
     both keys; the rest says where the ranks meet and how often torchrun restarts them."""
 
-    # local: this machine starts all nnodes agents' share itself (one node: torchrun --standalone; more: run the
-    # same command on each node, they meet at rdzv_endpoint); slurm: inside an allocation, `srun` starts one
-    # torchrun agent per node and they meet on the allocation's first node (scripts/slurm/).
-    scheduler: Literal["local", "slurm"] = "local"
+    # local: this machine runs the stage (nnodes 1: torchrun --standalone); slurm: inside an allocation, `srun`
+    # starts one torchrun agent per node and they meet on the allocation's first node (scripts/slurm/); ssh: this
+    # machine (where `dvc repro` runs) starts one agent per node of `hosts` over SSH, and they meet on the first
+    # (coarse2fine.ssh).
+    scheduler: Literal["local", "slurm", "ssh"] = "local"
     nnodes: int = Field(1, gt=0)
     nproc_per_node: int = Field(1, gt=0)
-    rdzv_endpoint: str = Field("127.0.0.1:29500", pattern=r"^[^\s:]+:\d+$")  # host:port (slurm: its port only)
+    # ssh: the nodes as ssh reaches them (and as they reach the first for the rendezvous), one per node, in node order.
+    hosts: tuple[str, ...] = ()
+    rdzv_endpoint: str = Field("127.0.0.1:29500", pattern=r"^[^\s:]+:\d+$")  # host:port (slurm, ssh: its port only)
     rdzv_id: str = Field("coarse2fine", pattern=r"^[A-Za-z0-9_.-]+$")  # slurm: the job id is appended
     max_restarts: int = Field(0, ge=0)  # torchrun restarts the whole group after a failure, the stage resumes
     # auto: a GPU per local rank when torch sees any, else the CPU; cuda: a GPU per local rank or exit 2, never the
@@ -99,6 +102,14 @@ class Launch(Section):
     @property
     def world_size(self) -> int:
         return self.nnodes * self.nproc_per_node
+
+    @model_validator(mode="after")
+    def _hosts_for_ssh(self) -> Launch:
+        if self.scheduler == "ssh" and len(self.hosts) != self.nnodes:
+            raise ValueError(f"hosts: scheduler ssh needs one host per node (nnodes {self.nnodes}), got {list(self.hosts)}")
+        if any(not host or any(char.isspace() for char in host) or host.startswith("-") for host in self.hosts):
+            raise ValueError(f"hosts: {list(self.hosts)} holds an empty name, a space or a leading '-'")
+        return self
 
 
 class Checkpoint(Section):

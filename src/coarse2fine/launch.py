@@ -6,7 +6,8 @@ It is torchrun (the same argument parser and elastic launch, in this process), p
   script override them): one node is `--standalone`, more meet at a c10d rendezvous (run the same command on
   each node); under `launch.scheduler: slurm` the launcher runs itself once per node with `srun`, all meeting
   on the allocation's first node, so DVC decides what runs and Slurm and torchrun run it. `max_restarts`
-  restarts the whole group after a failure, and the stage resumes from its checkpoint. With
+  restarts the whole group after a failure, and the stage resumes from its checkpoint. Under `launch.scheduler:
+  ssh` it starts one agent per node of `launch.hosts` over SSH instead (coarse2fine.ssh). With
   COARSE2FINE_LAUNCH_DRY_RUN=1 in the environment it prints the command it would run instead;
 - the params file (the stage's `--params`, default params.yaml) is validated before any worker starts (the
   model names against timm's registry by the workers);
@@ -39,7 +40,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from coarse2fine import cli, stage_server
+from coarse2fine import cli, ssh, stage_server
 from coarse2fine.errors import UserError
 
 if TYPE_CHECKING:
@@ -69,19 +70,31 @@ def main(argv: list[str] | None = None) -> None:
         # check those, and a mistake there still ends the stage with its one line (below).
         params_file = _params_file(torchrun.parse_args(argv).training_script_args)
         launch = load_params(params_file, check_model_names=False).launch
-        srun = None
+        srun = agents = None
         if launch.scheduler == "slurm" and SLURM_AGENT_ENV not in os.environ:
             job = slurm.allocation(launch, dry_run=dry_run)
             agent = [sys.executable, "-m", "coarse2fine.launch", *torchrun_options(launch, job), *argv]
             srun = slurm.srun_command(launch, job, agent)
         elif SLURM_AGENT_ENV in os.environ:
             argv = [slurm.rendezvous_host_option(os.environ, first_node=os.environ[SLURM_AGENT_ENV]), *argv]
+        elif ssh.AGENT_ENV in os.environ:  # one node's agent under an SSH driver: its options resolved there
+            ssh.stop_when_the_driver_goes()
+        elif launch.scheduler == "ssh":
+            if not dry_run:
+                ssh.check_reachable(launch.hosts)
+            agents = launch.hosts
         else:
             argv = [*torchrun_options(launch), *argv]
     except UserError as error:
         cli.print_user_error(error)
         sys.exit(cli.USER_ERROR_EXIT)
     os.environ["PYTHONPATH"] = stage_server.search_path()
+    if agents:  # each agent prints its own user errors; the stage exits with the first failure's code
+        commands = ssh.agent_commands(agents, torchrun_options(launch), argv, os.environ)
+        if dry_run:
+            print("\n".join(map(shlex.join, commands)), flush=True)
+            return
+        sys.exit(ssh.run_agents(commands))
     if dry_run:
         print(shlex.join(srun or [sys.executable, "-m", "coarse2fine.launch", *argv]), flush=True)
         return
@@ -100,12 +113,13 @@ def torchrun_options(launch: Launch, job: slurm.Allocation | None = None) -> lis
     options = [f"--nnodes={launch.nnodes}", f"--nproc_per_node={launch.nproc_per_node}",
                f"--max_restarts={launch.max_restarts}"]
     host, port = launch.rdzv_endpoint.rsplit(":", 1)
+    rdzv_id = launch.rdzv_id
     if job is not None:
         host, rdzv_id = job.first_node_address, f"{launch.rdzv_id}-{job.job_id}"
     elif launch.nnodes == 1:
         return [*options, "--standalone"]
-    else:
-        rdzv_id = launch.rdzv_id
+    elif launch.scheduler == "ssh":
+        host = launch.hosts[0]
     return [*options, "--rdzv_backend=c10d", f"--rdzv_endpoint={host}:{port}", f"--rdzv_id={rdzv_id}"]
 
 

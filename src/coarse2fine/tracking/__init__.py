@@ -7,6 +7,7 @@ for DVC. The only package that imports mlflow and dvclive, one module per job:
 - `live`: the DVCLive files dvc.yaml declares as metrics and plots;
 - `runs`: `Tracker`, the lifecycle of a stage's run;
 - `models`: logging a trained model to MLflow and loading it back;
+- `outbox`: the writes a store that went away mid-stage could not take, retried with back-off;
 - `lineage`: linking the stages DVC skipped to the runs that made their outputs, and registering the result.
 
 DVCLive writes plain files under the stage's metrics directory:
@@ -35,9 +36,10 @@ only if it was trained on the whole data set and beats the champion's top-1 on t
 pipeline's key, dvc.lock's outputs and the store are what the last record left, there is nothing to record and
 MLflow is not opened.
 
-MLflow is a convenience, DVC's files are the record: if the store cannot be reached or written (a bad URI, a
-server that is down, a read-only database), the stage prints one warning and goes on without MLflow, and its
-metrics still land in the DVCLive files. Against a server, MLflow's HTTP retries are cut to
+MLflow is a convenience, DVC's files are the record: if the store cannot be opened (a bad URI, a server that is
+down, a read-only database), the stage prints one warning and goes on without MLflow, and its metrics still land in
+the DVCLive files. A store that goes away mid-stage (a server restarted) costs one warning: `outbox` keeps the
+stage's writes in order and sends them when it is back (retried with back-off; bounded; drained at the end). Against a server, MLflow's HTTP retries are cut to
 `mlflow_store.HTTP_RETRIES` (its default, 7 with exponential back-off, waits minutes per call) unless the environment
 sets them.
 """

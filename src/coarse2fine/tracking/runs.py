@@ -28,16 +28,22 @@ from coarse2fine.distributed import Runtime
 from coarse2fine.files import file_sha256
 from coarse2fine.tracking.identity import (
     MODEL_EVALUATED_TAG, MODEL_ID_TAG, MODEL_MADE_BY_TAG, MODEL_WRITTEN_TAG, OUTPUTS_TAG, REPLACED_BY_TAG, STAGE_TAG,
-    stage_params, tracking_uri,
+    sqlite_database, stage_params, tracking_uri,
 )
 from coarse2fine.tracking.live import FileOnlyLive
 from coarse2fine.tracking.logged_model import log_model
 from coarse2fine.tracking.mlflow_store import (
     first_line, log_param_batches, log_resolved_params, opened_store, pipeline_run,
 )
+from coarse2fine.tracking.outbox import Outbox
 
 logger = logging.getLogger(__name__)
 SYSTEM_METRICS_SECONDS = 10
+# The client's methods whose answer a stage needs at once; every other call is a write, kept while the store is away.
+READS = frozenset({"get_run", "search_runs", "get_metric_history"})
+# How long a stage's end waits for a tracking server that went away to take its last writes (a restart takes about
+# a minute); a SQLite file gets one more try.
+DRAIN_SECONDS = 300
 
 
 class Tracker:
@@ -69,6 +75,7 @@ class Tracker:
         self.pipeline_run_id: str | None = None
         self.uri: str | None = None
         self._client: MlflowClient | None = None  # None: not started, or MLflow off
+        self._outbox: Outbox | None = None
         self._live: FileOnlyLive | None = None
         # MLflow's sampler of CPU, memory, disk, network (and GPU) use, every SYSTEM_METRICS_SECONDS in a thread.
         self.system_metrics = system_metrics
@@ -85,6 +92,7 @@ class Tracker:
         try:
             with opened_store(uri) as self._client:
                 self.run_id = self._open_run(uri)
+            self._outbox = Outbox(self._call, uri)
             if self.system_metrics:
                 self._monitor = SystemMetricsMonitor(
                     self.run_id, sampling_interval=SYSTEM_METRICS_SECONDS,
@@ -101,22 +109,24 @@ class Tracker:
         return self
 
     def _without_mlflow(self, error: BaseException) -> None:
-        """One warning, then MLflow is off for the rest of the stage."""
+        """The store could not be opened: one warning, then MLflow is off for the stage."""
         logger.warning(
             "warning: MLflow at %s is not usable (%s): %s goes on without it; its metrics are in %s",
             self.uri, first_line(error), self.stage, self.metrics_dir,
         )
         self._client, self.run_id, self.pipeline_run_id = None, None, None
 
+    def _call(self, method: str, args: tuple, kwargs: dict) -> Any:
+        return getattr(self._client, method)(*args, **kwargs)
+
     def _mlflow(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """The MLflow client's `method(*args, **kwargs)`; None when MLflow is off or the call fails (-> off)."""
-        if self._client is None:
+        """The MLflow client's `method(*args, **kwargs)` through the outbox: a write the store cannot take now waits
+        and is retried (outbox.Outbox); a read answers None while the store is away, or when MLflow is off."""
+        if self._client is None or self._outbox is None:
             return None
-        try:
-            return getattr(self._client, method)(*args, **kwargs)
-        except Exception as error:
-            self._without_mlflow(error)
-            return None
+        if method in READS:
+            return self._outbox.read(method, *args, **kwargs)
+        return self._outbox.write(method, *args, **kwargs)
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
         if not self.enabled:
@@ -135,6 +145,8 @@ class Tracker:
             self._mlflow("set_terminated", self.run_id, status)
             if self.pipeline_run_id is not None:
                 self._mlflow("set_terminated", self.pipeline_run_id, status)
+            if self._outbox is not None and self._outbox.waiting:
+                self._outbox.drain(0 if sqlite_database(self.uri) else DRAIN_SECONDS)
 
     def _open_run(self, uri: str) -> str:
         if self.resume_run_id is not None:

@@ -1,0 +1,146 @@
+"""A team's set-up (docs/team.md) with real servers on 127.0.0.1: the pipeline and queued experiments writing to an
+MLflow tracking server whose backend store is PostgreSQL (both started by the tests, as `make server` starts them);
+`dvc repro` on one node driving two over SSH (Debian's sshd)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+from mlflow import MlflowClient
+from test_pipeline import EVERY_STAGE, FAST, SMOKE, TRACKED_STAGES, queued_names, workers_alive
+from test_slurm import SMALL
+
+from conftest import PROJECT_ROOT, Project, free_ports
+from coarse2fine.slurm import DRY_RUN_ENV
+from coarse2fine.ssh import SSH_ENV
+
+# Two points of the fine-tuning learning rate: each queued experiment reruns finetune and what follows.
+QUEUED_LR = ("0.001", "0.002")
+
+
+@pytest.mark.slow
+def test_a_pipeline_and_two_queued_experiments_write_through_a_tracking_server(team_server, tmp_path, request):
+    """`dvc repro` with MLFLOW_TRACKING_URI=http://...: the pipeline run, its nested stage runs and the registered
+    model go through HTTP into PostgreSQL; then two queued experiments run at once (`dvc exp run --run-all --jobs 2`,
+    i.e. `dvc queue start -j 2`), each a pipeline run of its own with its reruns and its links to the cached stages."""
+    name = request.node.name
+    project = Project(tmp_path / "project")
+    project.edit_params(FAST)
+    project.edit_params(SMOKE)
+    project.edit_params({"tracking": {"experiment": name, "registered_model": name, "log_models": True}})
+    project.commit("params")
+    project.env["MLFLOW_TRACKING_URI"] = team_server.uri
+    assert project.repro() == EVERY_STAGE
+    assert not (project.path / "mlflow.db").exists()  # everything went to the server
+
+    server = MlflowClient(team_server.uri)
+    experiment = server.get_experiment_by_name(name).experiment_id
+
+    def pipelines() -> dict[str, dict[str, bool]]:
+        """pipeline run name -> {stage: whether its run there links to a cached one}, every run FINISHED."""
+        found = {}
+        for pipeline in server.search_runs([experiment], "tags.stage = 'pipeline'"):
+            children = server.search_runs([experiment], f"tags.`mlflow.parentRunId` = '{pipeline.info.run_id}'")
+            assert {run.info.status for run in [pipeline, *children]} == {"FINISHED"}
+            found[pipeline.info.run_name] = {run.data.tags["stage"]: "cached_from" in run.data.tags for run in children}
+        return found
+
+    (first,) = pipelines().values()
+    assert first == {stage: False for stage in TRACKED_STAGES}
+    version = server.get_model_version_by_alias(name, "candidate")
+    assert str(version.version) == "1"
+    assert server.get_run(version.run_id).data.tags["stage"] == "finetune"
+
+    project.run("dvc", "exp", "run", "--queue", "-S", f"finetune.optimizer.lr_base={','.join(QUEUED_LR)}")
+    assert len(queued_names(project)) == 2
+    project.run("dvc", "exp", "run", "--run-all", "--jobs", "2")
+    project.run("dvc", "queue", "stop")  # as make sweep does: a worker may outlive the run (kombu's race)
+    assert not workers_alive(project, wait=60)
+
+    runs = pipelines()
+    assert len(runs) == 3
+    queued = [stages for stages in runs.values() if any(stages.values())]
+    rerun = {"finetune": False, "evaluate@finetune": False}
+    cached = {stage: True for stage in TRACKED_STAGES - set(rerun)}
+    assert queued == [cached | rerun, cached | rerun]
+    versions = server.search_model_versions(f"name = '{name}'")
+    assert len(versions) == 3  # one per fine-tuned model, each registered through the server
+
+
+def launch_pretrain(tmp_path, launch: dict, env: dict[str, str]) -> subprocess.CompletedProcess:
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({"launch": launch, "data": {"source": "digits"}}))
+    return subprocess.run(
+        [sys.executable, "-m", "coarse2fine.launch", "stages/pretrain.py", "--params", str(params)],
+        cwd=PROJECT_ROOT, env={**os.environ, "PYTHONPATH": str(PROJECT_ROOT / "src"), **env},
+        capture_output=True, text=True, timeout=120,
+    )
+
+
+def test_the_dry_run_prints_one_ssh_agent_per_host_meeting_on_the_first(tmp_path):
+    launch = {"scheduler": "ssh", "nnodes": 2, "nproc_per_node": 4, "hosts": ["n1", "n2"],
+              "rdzv_endpoint": "127.0.0.1:29400"}
+    result = launch_pretrain(tmp_path, launch, {DRY_RUN_ENV: "1", "MLFLOW_TRACKING_URI": "http://tracker:5000"})
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert len(lines) == 2
+    for rank, (line, host) in enumerate(zip(lines, ("n1", "n2"))):
+        assert line.startswith(f"ssh -o BatchMode=yes -o ConnectTimeout=10 {host} 'cd {PROJECT_ROOT} && exec env ")
+        assert "MLFLOW_TRACKING_URI=http://tracker:5000" in line and "COARSE2FINE_SSH_AGENT=1" in line
+        assert (" -m coarse2fine.launch --nnodes=2 --nproc_per_node=4 --max_restarts=0 --rdzv_backend=c10d "
+                f"--rdzv_endpoint=n1:29400 --rdzv_id=coarse2fine --rdzv_conf=is_host={int(rank == 0)} "
+                "stages/pretrain.py --params ") in line
+
+
+@pytest.mark.parametrize(("hosts", "expected"), [
+    (["n1"], "launch.hosts: scheduler ssh needs one host per node (nnodes 2), got ['n1']"),
+    (["n1", "-oProxyCommand=x"], "launch.hosts: ['n1', '-oProxyCommand=x'] holds an empty name, a space or"),
+])
+def test_a_host_list_that_does_not_fit_is_one_line(tmp_path, hosts, expected):
+    result = launch_pretrain(tmp_path, {"scheduler": "ssh", "nnodes": 2, "hosts": hosts}, {DRY_RUN_ENV: "1"})
+    assert result.returncode == 2 and result.stderr.startswith(f"error: {tmp_path / 'params.yaml'}: {expected}")
+    assert len(result.stderr.splitlines()) == 1
+
+
+def test_a_node_that_cannot_be_reached_fails_the_stage_in_one_line_naming_it(ssh_server, tmp_path):
+    launch = {"scheduler": "ssh", "nnodes": 2, "hosts": ["localhost", "nowhere.invalid"]}
+    result = launch_pretrain(tmp_path, launch, {SSH_ENV: ssh_server.ssh_command})
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith(
+        "error: launch.hosts: nowhere.invalid cannot be reached over SSH (ssh: Could not resolve hostname nowhere.invalid"
+    ) and len(result.stderr.splitlines()) == 1, result.stderr
+
+
+@pytest.mark.slow
+def test_dvc_repro_driving_two_nodes_over_ssh_gives_a_local_two_process_run_bit_for_bit(ssh_server, tmp_path):
+    """One `dvc repro` on the driver; every launched stage starts its two agents over SSH (this machine under two
+    names), which meet at the first one's rendezvous: the weights and metrics of one node with two processes."""
+    over_ssh, local = Project(tmp_path / "ssh"), Project(tmp_path / "local")
+    small = {**SMALL, "finetune": {**SMALL["finetune"], "epochs": 1}}
+    launch = {"scheduler": "ssh", "nnodes": 2, "nproc_per_node": 1, "hosts": list(ssh_server.HOSTS),
+              "rdzv_endpoint": f"127.0.0.1:{free_ports(1)[0]}"}
+    over_ssh.edit_params({**small, "launch": launch})
+    local.edit_params({**small, "launch": {"nproc_per_node": 2}})
+    for project in (over_ssh, local):
+        project.env["OMP_NUM_THREADS"] = "1"  # the same kernels for a rank alone on its node as for two on one
+        project.commit("small")
+    over_ssh.env[SSH_ENV] = ssh_server.ssh_command
+    result = over_ssh.run("dvc", "repro")
+    assert "pretrain: device cpu x2" in result.stdout + result.stderr  # one rank on each node
+    assert local.repro() == EVERY_STAGE
+
+    for stage in ("teacher", "pretrain", "finetune", "evaluate/pretrain", "evaluate/finetune"):
+        ours, theirs = (json.loads((p.path / "metrics" / stage / "metrics.json").read_text()) for p in (over_ssh, local))
+        timing = ("per_s", "seconds")
+        assert {k: v for k, v in ours.items() if not any(t in k for t in timing)} == {
+            k: v for k, v in theirs.items() if not any(t in k for t in timing)
+        }
+    for stage in ("teacher", "pretrain", "finetune"):
+        weights = [torch.load(p.path / f"models/{stage}/model.pt", weights_only=True)["model"] for p in (over_ssh, local)]
+        torch.testing.assert_close(weights[0], weights[1], rtol=0, atol=0)

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
+from mlflow import MlflowClient
 import torch
 import yaml
 
@@ -230,8 +231,16 @@ def one_node_two_ranks(digits_records, tmp_path_factory) -> Path:
 @pytest.mark.slow
 def test_two_agents_at_a_c10d_rendezvous_train_as_one_node_with_two_ranks(one_node_two_ranks, digits_records, tmp_path):
     settings = {"nnodes": 2, "nproc_per_node": 1, "rdzv_endpoint": f"127.0.0.1:{free_ports(1)[0]}", "rdzv_id": "test"}
-    agents = [start_stage(tmp_path, digits_records, settings, {"pretrain": SGD}) for _ in range(2)]
+    sampled = {"MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "1"}  # MLflow's system metrics every second, not 10
+    agents = [start_stage(tmp_path, digits_records, settings, {"pretrain": SGD}, env=sampled) for _ in range(2)]
     outputs = [finish(agent) for agent in agents]
+    # Each node's first rank samples its machine into rank 0's run, under its node id (torchrun's GROUP_RANK).
+    store = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (run,) = store.search_runs([store.get_experiment_by_name("coarse2fine").experiment_id], "tags.stage = 'pretrain'")
+    system = {key for key in run.data.metrics if key.startswith("system/")}
+    assert {key.split("/")[1] for key in system} == {"node0", "node1"}, system
+    for node in ("node0", "node1"):
+        assert {f"system/{node}/cpu_utilization_percentage", f"system/{node}/system_memory_usage_megabytes"} <= system
     assert sum("global batch 64 = 16 per device x 2 accumulated x 2 ranks" in text for text in outputs) == 1
     weights, metrics = outcome(tmp_path)
     reference_weights, reference_metrics = outcome(one_node_two_ranks)

@@ -19,6 +19,7 @@ from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 from mlflow.utils.mlflow_tags import (
     MLFLOW_DATASET_CONTEXT, MLFLOW_PARENT_RUN_ID, MLFLOW_SOURCE_NAME, MLFLOW_SOURCE_TYPE,
 )
+import torch.distributed
 from torch import nn
 
 from coarse2fine import report
@@ -71,6 +72,7 @@ class Tracker:
         self.param_sections = tuple(param_sections)
         self.resume_run_id = resume_run_id
         self.enabled = runtime.is_main
+        self.world_size, self.local_rank = runtime.world_size, runtime.local_rank
         self.run_id: str | None = None
         self.pipeline_run_id: str | None = None
         self.uri: str | None = None
@@ -82,8 +84,13 @@ class Tracker:
         self._monitor: SystemMetricsMonitor | None = None
 
     def __enter__(self) -> Tracker:
-        if not self.enabled:
-            return self
+        if self.enabled:
+            self._open()
+        if self.system_metrics:
+            self._monitor_this_node()
+        return self
+
+    def _open(self) -> None:
         # DVCLive's INFO line names a random DVC experiment it will never create (save_dvc_exp is off);
         # MLflow's and alembic's INFO lines on creating a store would bury a stage's own messages.
         for name in ("dvclive", "mlflow", "alembic"):
@@ -93,12 +100,6 @@ class Tracker:
             with opened_store(uri) as self._client:
                 self.run_id = self._open_run(uri)
             self._outbox = Outbox(self._call, uri)
-            if self.system_metrics:
-                self._monitor = SystemMetricsMonitor(
-                    self.run_id, sampling_interval=SYSTEM_METRICS_SECONDS,
-                    resume_logging=self.resume_run_id is not None, tracking_uri=uri,
-                )
-                self._monitor.start()
         except Exception as error:  # whatever the store raised: MlflowException, sqlalchemy, requests, OSError
             self._without_mlflow(error)
         try:
@@ -106,7 +107,27 @@ class Tracker:
         except BaseException:
             self._mlflow("set_terminated", self.run_id, "FAILED")
             raise
-        return self
+
+    def _monitor_this_node(self) -> None:
+        """MLflow's system-metrics sampler on the first rank of every node, into rank 0's run: `system/<metric>` on
+        one node, `system/node<N>/<metric>` (N: torchrun's GROUP_RANK) when there are several. Every rank calls
+        it (rank 0 hands its run over to the other nodes)."""
+        nodes = self.world_size // int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+        target = [self.run_id, self.uri]
+        if nodes > 1 and torch.distributed.is_initialized():
+            torch.distributed.broadcast_object_list(target, src=0)
+        run_id, uri = target
+        if run_id is None or self.local_rank != 0:
+            return
+        try:
+            self._monitor = SystemMetricsMonitor(
+                run_id, sampling_interval=SYSTEM_METRICS_SECONDS, resume_logging=self.resume_run_id is not None,
+                node_id=f"node{os.environ.get('GROUP_RANK', '0')}" if nodes > 1 else None, tracking_uri=uri,
+            )
+            self._monitor.start()
+        except Exception as error:  # the sampler is a convenience: its store, psutil, a GPU library
+            logger.warning("warning: MLflow's system metrics are off on this node (%s)", first_line(error))
+            self._monitor = None
 
     def _without_mlflow(self, error: BaseException) -> None:
         """The store could not be opened: one warning, then MLflow is off for the stage."""
@@ -130,6 +151,8 @@ class Tracker:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
         if not self.enabled:
+            if self._monitor is not None:
+                self._monitor.finish()
             return
         if exc_type is None:
             status = "FINISHED"

@@ -19,7 +19,10 @@ def main(params: Params, args: argparse.Namespace) -> None:
     if missing:
         raise UserError(f"no evaluation in {', '.join(missing)}: run the evaluate stages first (dvc repro)")
     evaluations = report.read_evaluations(files)
-    write_json(args.out, report.compare(evaluations))
+    # Each model's training stage, where one trained it (an imported model's stage has no epochs to choose from).
+    trainings = {name: path for name in EVALUATED_MODELS if (path := Path(args.trainings) / name / "metrics.json").is_file()}
+    kept = {name: getattr(params, name).keep for name in EVALUATED_MODELS}
+    write_json(args.out, report.compare(evaluations, report.read_evaluations(trainings), kept))
     print(report.markdown_table(evaluations))
 
 
@@ -28,5 +31,6 @@ if __name__ == "__main__":
     parser.add_argument(
         "--evaluations", default="metrics/evaluate", help="the evaluations' parent dir (default: metrics/evaluate)"
     )
+    parser.add_argument("--trainings", default="metrics", help="the training stages' metrics' parent dir (default: metrics)")
     parser.add_argument("--out", default="metrics/compare.json", help="default: metrics/compare.json")
     cli.run(main, parser, check_model_names=False)

@@ -85,6 +85,12 @@ def test_every_stage_runs_once_on_a_tiny_subset_under_dvc_and_mlflow(project):
     assert (coarse["n"], fine["n"], coarse["img_size"], fine["img_size"]) == (val_images, val_images, 16, 24)
     compared = json.loads((project.path / "metrics/compare.json").read_text())
     assert (compared["pretrain"]["top1"], compared["finetune"]["top1"]) == (coarse["top1"], fine["top1"])
+    for stage in ("pretrain", "finetune"):  # beside each evaluation, its training's last and best epoch
+        trained = project.metrics(stage)
+        assert {key: compared[stage][key] for key in ("last_val_top1", "best_val_top1", "best_epoch", "keep")} == {
+            "last_val_top1": trained["val_top1"], "best_val_top1": trained["best_val_top1"], "best_epoch": 1,
+            "keep": "last",
+        }
     (pipeline,) = pipeline_runs(project)
     assert stage_runs(project, pipeline) == {stage: False for stage in TRACKED_STAGES}
     assert project.repro() == ALWAYS

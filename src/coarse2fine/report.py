@@ -19,12 +19,27 @@ if TYPE_CHECKING:
 COMPARED_PREFIXES = ("img_size", "top1", "top5")
 
 
-def compare(evaluations: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
-    """`{"pretrain": {...}, "finetune": {...}, "finetune_gain_top1": ...}` from each model's metrics.json."""
-    table: dict[str, Any] = {
-        name: {key: value for key, value in metrics.items() if key.startswith(COMPARED_PREFIXES)}
-        for name, metrics in evaluations.items()
-    }
+# What each training stage contributes: its last epoch's val top-1 and its best epoch's (timm's and the reference's
+# "*** Best metric"), whichever the model file holds (`<stage>.keep`) being what the evaluation measured.
+TRAINING_KEYS = {"last_val_top1": "val_top1", "best_val_top1": "best_val_top1", "best_epoch": "best_epoch"}
+
+
+def compare(
+    evaluations: Mapping[str, Mapping[str, Any]],
+    trainings: Mapping[str, Mapping[str, Any]] | None = None,
+    kept: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """`{"pretrain": {...}, "finetune": {...}, "finetune_gain_top1": ...}` from each model's evaluation metrics.json,
+    with, where given, its training stage's last and best val top-1 (`trainings`: the stage's metrics.json) and which
+    of the two epochs its model file holds (`kept`: `<stage>.keep`)."""
+    table: dict[str, Any] = {}
+    for name, metrics in evaluations.items():
+        entry = {key: value for key, value in metrics.items() if key.startswith(COMPARED_PREFIXES)}
+        training = (trainings or {}).get(name, {})
+        entry |= {ours: training[theirs] for ours, theirs in TRAINING_KEYS.items() if theirs in training}
+        if kept and name in kept:
+            entry["keep"] = kept[name]
+        table[name] = entry
     names = list(evaluations)
     if len(names) == 2:
         coarse, fine = names

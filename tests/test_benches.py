@@ -568,3 +568,24 @@ def test_model_export_tiny_logs_the_shipped_model_and_sizes_it() -> None:
     assert float(row[2].removesuffix(" M")) > 0 and float(row[4]) > 0
     assert float(row[5]) >= float(row[3]) > 0  # the archive holds the fp32 weights
     assert "every profile's model exports (torch.export accepts it): met (1 of 1)" in report
+
+
+def test_eval_transform_tiny_compares_dali_with_timm_pixel_by_pixel_and_by_top1(digits_records, tmp_path) -> None:
+    """bench/eval_transform.py --tiny on the digits: square 32 px JPEGs evaluated at their own size need no resize
+    and no crop, so DALI's decoder and PIL's give the same pixels (largest difference 0 levels), and a model
+    predicts the same classes both ways."""
+    from conftest import make_params
+
+    from coarse2fine import models
+    from coarse2fine.data.transforms import eval_transform
+
+    params = make_params()
+    model = models.build_model(params.model, num_classes=10, img_size=32)
+    models.save_model_file(tmp_path / "model.pt", model, model_cfg=params.model, img_size=32,
+                           classes=[str(k) for k in range(10)], stage="finetune",
+                           eval_transform=eval_transform(32, 1.0, "bicubic"))
+    report = run_bench("eval_transform", "--tiny", "--records", str(digits_records), "--model", str(tmp_path / "model.pt"))
+    (pixels,) = first_table(report)
+    assert pixels[:2] == ["16", "32 px, crop_pct 1"] and pixels[2:] == ["0.00", "0 / 0 / 0"], pixels
+    (top1,) = first_table(report.split("model.pt:")[1])
+    assert top1[0] == top1[1] and top1[2:] == ["+0.00", "0.00 %"], top1

@@ -6,6 +6,9 @@ waiting ones, at most once per back-off period (doubling from FIRST_RETRY_SECOND
 stage pays for a dead server a few seconds a period, not at every call. At most MAX_WRITES wait (about a
 thousand epochs' metrics, tags and system-metric samples): beyond that the oldest are dropped with one warning;
 the DVCLive files hold every metric either way. The stage's end drains it, waiting up to `drain_seconds`.
+MLflow's own async logging (`synchronous=False`) queues writes in a thread but drops a batch that still fails after
+its HTTP retries (an error in the log, mlflow/utils/async_logging/async_logging_queue.py): nothing there waits for a
+server to come back.
 """
 
 from __future__ import annotations

@@ -15,10 +15,11 @@ from coarse2fine.files import project_path, walked_by
 from coarse2fine.tracking.runs import Tracker
 
 # What this stage reads (as dvc.yaml lists it): data but its speed knob, convert_workers (the same bytes whatever
-# the count).
+# the count), and data.root, whose images it reads through their listing (data/source.json: paths relative to the
+# root and content hashes), so the same images at another path, a colleague's copy, reuse the converted records.
 PARAM_SECTIONS = (
-    "seed", "data.source", "data.root", "data.digits", "data.photos", "data.subset", "data.train_shards",
-    "data.val_shards", "data.jpeg_quality",
+    "seed", "data.source", "data.digits", "data.photos", "data.subset", "data.train_shards", "data.val_shards",
+    "data.jpeg_quality",
 )
 
 
@@ -34,6 +35,8 @@ def main(params: Params, args: argparse.Namespace) -> None:
             tracker.log_summary({**total, "seconds": seconds, "images_per_second": total["images"] / seconds})
             for name in (records.MANIFEST_FILE, records.CLASSES_FILE):
                 tracker.log_artifact(out / name)
+            if params.data.source == "imagefolder":
+                tracker.set_tag("data.root", params.data.root)  # where the images were, not what they are
         if params.data.source == "imagefolder" and runtime.is_main:
             if walking := walked_by(project_path(params.data.root)):
                 walk = f"{' and '.join(walking)} walk" if len(walking) > 1 else f"{walking[0]} walks"

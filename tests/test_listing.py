@@ -1,12 +1,14 @@
 """The source listing (`coarse2fine.data.listing`), what every `dvc repro` pays for first: an image added, removed
-or replaced changes it, an unchanged tree gives the same bytes, and its digest is the documented stream (a change of
-the stream would reconvert every user's records once, for nothing); params paths resolve against the DVC project
-(`files.project_path`), so a relative `data.root` is found from an experiment's copy too."""
+or replaced changes it, an unchanged tree gives the same bytes, the same images at another path copied with new
+times give the same bytes too (reading each file once: its content hash is kept), and its digest is the documented
+stream (a change of the stream would reconvert every user's records once, for nothing); params paths resolve
+against the DVC project (`files.project_path`), so a relative `data.root` is found from an experiment's copy too."""
 
 from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -25,15 +27,23 @@ def write_tree(root: Path, per_class: int = 3) -> Path:
     return root
 
 
+@pytest.fixture(autouse=True)
+def hash_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Each test's own cache of content hashes (as another machine's or user's)."""
+    cache = tmp_path / "cache" / "file_hashes.sqlite"
+    monkeypatch.setenv(listing.HASH_CACHE_ENV, str(cache))
+    return cache
+
+
 def reference_digest(root: Path) -> str:
-    """The digest as the listing documents it, written the plain way: sorted relative paths, size, mtime."""
+    """The digest as the listing documents it, written the plain way: sorted relative paths, size, content md5."""
     digest = hashlib.sha256()
     for path in sorted(root.rglob("*"), key=lambda path: path.relative_to(root).parts):
         relative = path.relative_to(root)
         if path.is_dir() or any(part.startswith(".") for part in relative.parts):
             continue
-        stat = path.stat()
-        digest.update(f"{relative.as_posix()}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+        content = hashlib.md5(path.read_bytes()).hexdigest()
+        digest.update(f"{relative.as_posix()}\0{path.stat().st_size}\0{content}\n".encode())
     return digest.hexdigest()
 
 
@@ -71,7 +81,26 @@ def test_a_changed_tree_changes_the_listing_and_a_hidden_file_does_not(tmp_path:
     assert (state(root) == before) == (change == "hidden")
 
 
-def test_a_relative_data_root_is_the_dvc_project_s_and_recorded_as_written(tmp_path: Path, monkeypatch) -> None:
+def test_the_same_images_elsewhere_with_new_times_list_the_same_and_each_file_is_read_once(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """A colleague's copy (another path, copied without its modification times) lists as the original does, so
+    convert's input, and DVC's run cache of it, are the same; a listing with nothing new reads no file."""
+    root = write_tree(tmp_path / "tree")
+    reads = []
+    md5 = listing._md5
+    monkeypatch.setattr(listing, "_md5", lambda path: reads.append(path) or md5(path))
+    before = state(root)
+    assert len(reads) == 18
+    assert state(root) == before and len(reads) == 18  # the cached hashes: nothing read again
+    copy = shutil.copytree(root, tmp_path / "elsewhere" / "copy", copy_function=shutil.copyfile)
+    assert (copy / "val/owl/01.jpg").stat().st_mtime_ns != (root / "val/owl/01.jpg").stat().st_mtime_ns
+    assert state(copy) == before and len(reads) == 36  # the copy's files read once each
+    (copy / "val/owl/01.jpg").write_bytes(b"\x09\x09")  # its bytes changed: detected
+    assert state(copy) != before
+
+
+def test_a_relative_data_root_is_the_dvc_project_s(tmp_path: Path, monkeypatch) -> None:
     project = tmp_path / "project"
     write_tree(project / "data" / "images")
     elsewhere = tmp_path / "project" / ".dvc" / "tmp" / "exps" / "tmp123"  # where a temporary experiment runs
@@ -79,7 +108,18 @@ def test_a_relative_data_root_is_the_dvc_project_s_and_recorded_as_written(tmp_p
     monkeypatch.chdir(elsewhere)
     monkeypatch.setenv("DVC_ROOT", str(project))  # as DVC sets it for an experiment's stages: the queuing project
     listed = listing.source_state(make_params(data={"source": "imagefolder", "root": "data/images"}).data)
-    assert listed["root"] == "data/images" and listed["files"] == {"train": 9, "val": 9}
+    assert listed["files"] == {"train": 9, "val": 9} and "root" not in listed  # where is not what
     assert project_path("/abs/weights.pt") == Path("/abs/weights.pt")
     monkeypatch.delenv("DVC_ROOT")
     assert project_path("data/images") == Path("data/images")  # outside DVC: the working directory
+
+
+def test_an_unusable_hash_cache_is_one_warning_and_the_same_listing(tmp_path: Path, monkeypatch, capsys) -> None:
+    root = write_tree(tmp_path / "tree")
+    before = state(root)
+    unusable = tmp_path / "not-a-database"
+    unusable.write_bytes(b"garbage" * 100)
+    monkeypatch.setenv(listing.HASH_CACHE_ENV, str(unusable))
+    assert state(root) == before
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line.startswith(f"source: WARNING: the content hash cache {unusable} is not usable (")

@@ -6,17 +6,21 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
+from PIL import Image
 from mlflow import MlflowClient
 from test_pipeline import EVERY_STAGE, FAST, SMOKE, TRACKED_STAGES, queued_names, workers_alive
 from test_slurm import SMALL
 
-from conftest import PROJECT_ROOT, Project, free_ports
+from conftest import PROJECT_ROOT, Project, S3Server, free_ports
 from coarse2fine.slurm import DRY_RUN_ENV
 from coarse2fine.ssh import SSH_ENV
 
@@ -144,3 +148,86 @@ def test_dvc_repro_driving_two_nodes_over_ssh_gives_a_local_two_process_run_bit_
     for stage in ("teacher", "pretrain", "finetune"):
         weights = [torch.load(p.path / f"models/{stage}/model.pt", weights_only=True)["model"] for p in (over_ssh, local)]
         torch.testing.assert_close(weights[0], weights[1], rtol=0, atol=0)
+
+
+def image_folder(root: Path, seed: int = 0) -> Path:
+    """3 classes of small JPEGs, each class its own colour plus noise: 12 train and 4 val images a class."""
+    generator = np.random.default_rng(seed)
+    for label, colour in enumerate(((200, 40, 40), (40, 200, 40), (40, 40, 200))):
+        for split, count in (("train", 12), ("val", 4)):
+            folder = root / split / f"class{label}"
+            folder.mkdir(parents=True)
+            for k in range(count):
+                pixels = np.clip(np.array(colour) + generator.normal(0, 40, (32, 32, 3)), 0, 255).astype(np.uint8)
+                Image.fromarray(pixels).save(folder / f"{k:03d}.jpg", quality=90)
+    return root
+
+
+def clone(origin: Path, path: Path, home: Path) -> Project:
+    """A colleague's clone of `origin` (git) with a HOME of their own (DVC's and the listing's caches) and an empty
+    DVC cache: a Project, the clone in place of the template's copy."""
+    project = Project.__new__(Project)
+    project.path, project.env = path, {**Project._environment(path), "HOME": str(home)}
+    subprocess.run(["git", "clone", "-q", "--branch", "main", str(origin), str(path)], check=True, capture_output=True)
+    return project
+
+
+@pytest.mark.slow
+def test_a_colleague_s_clone_pulls_the_team_s_stages_over_ssh_and_s3_and_runs_none(
+    ssh_server, s3_server, tmp_path
+):
+    """Clone A trains on its image folder and pushes its stages, run cache and an experiment to two real remotes on
+    127.0.0.1: SSH (Debian's sshd, dvc-ssh) and S3 (SeaweedFS, dvc-s3). Clones B (over SSH) and C (over S3), each
+    with its own HOME, an empty cache and its own copy of the same images at another path, copied without their
+    modification times, pull and reproduce: no stage command runs, their models are A's bytes, and `dvc exp show`
+    lists A's experiment."""
+    origin = tmp_path / "origin.git"
+    subprocess.run(["git", "init", "-q", "--bare", str(origin)], check=True)
+    a = Project(tmp_path / "a")
+    a.edit_params(FAST)
+    a.edit_params({"data": {"source": "imagefolder", "root": str(image_folder(tmp_path / "images_a")), "subset": 1.0},
+                   "teacher": {"epochs": 1}, "pretrain": {"epochs": 1}, "finetune": {"epochs": 1},
+                   "token_labels": {"top_k": 3}})  # 3 classes
+    s3 = {"endpointurl": s3_server.endpoint, "access_key_id": S3Server.KEY, "secret_access_key": S3Server.SECRET}
+    a.run("dvc", "remote", "add", "ssh-team", f"ssh://127.0.0.1{tmp_path / 'ssh_remote'}")
+    a.run("dvc", "remote", "modify", "ssh-team", "port", str(ssh_server.port))
+    a.run("dvc", "remote", "add", "-d", "s3-team", f"s3://{S3Server.BUCKET}/coarse2fine")
+    a.run("dvc", "remote", "modify", "s3-team", "endpointurl", s3_server.endpoint)
+    a.commit("the team's params and remotes")
+    a.run("git", "remote", "add", "origin", str(origin))
+
+    def credentials(project: Project) -> None:  # each person's own, in .dvc/config.local (not in git)
+        project.run("dvc", "remote", "modify", "--local", "ssh-team", "keyfile", str(ssh_server.client_key))
+        for key in ("access_key_id", "secret_access_key"):
+            project.run("dvc", "remote", "modify", "--local", "s3-team", key, s3[key])
+
+    def own_home(project: Project, home: Path) -> None:
+        project.env["HOME"] = str(home)
+        (home / ".ssh").mkdir(parents=True)
+        (home / ".ssh" / "known_hosts").write_text(ssh_server.known_hosts_line)  # DVC's SSH checks the server's key
+        credentials(project)
+
+    own_home(a, tmp_path / "home_a")
+    assert a.repro() == EVERY_STAGE
+    a.commit("results")  # dvc.lock and the uncached metrics in git, as DVC's projects keep them
+    a.run("git", "push", "-q", "origin", "HEAD:main")
+    for remote in ("ssh-team", "s3-team"):
+        a.run("dvc", "push", "--run-cache", "-r", remote)
+    models = {stage: (a.path / f"models/{stage}/model.pt").read_bytes() for stage in ("teacher", "pretrain", "finetune")}
+    a.run("dvc", "exp", "run", "-n", "tighter-crop", "-S", "evaluate.finetune.crop_pct=0.9")
+    for remote in ("ssh-team", "s3-team"):
+        a.run("dvc", "exp", "push", "-r", remote, "origin", "tighter-crop")
+
+    for name, remote in (("b", "ssh-team"), ("c", "s3-team")):
+        colleague = clone(origin, tmp_path / name, tmp_path / f"home_{name}")
+        own_home(colleague, tmp_path / f"home_{name}")
+        images = shutil.copytree(tmp_path / "images_a", tmp_path / f"images_{name}", copy_function=shutil.copyfile)
+        colleague.edit_params({"data": {"root": str(images)}})
+        colleague.run("dvc", "pull", "--run-cache", "-r", remote)
+        assert colleague.repro() == {"source", "lineage"}, remote  # what runs at every repro, and nothing else
+        for stage, content in models.items():
+            assert (colleague.path / f"models/{stage}/model.pt").read_bytes() == content, (remote, stage)
+        colleague.run("dvc", "exp", "pull", "-r", remote, "origin", "tighter-crop")
+        shown = json.loads(colleague.run("dvc", "exp", "show", "--json").stdout)
+        names = {experiment["name"] for baseline in shown for experiment in baseline.get("experiments") or []}
+        assert "tighter-crop" in names, (remote, shown)

@@ -1,8 +1,12 @@
 """What the pipeline reads from outside the repository, cheaply enough to check at every `dvc repro` (the
 `source` stage): convert's images and the training stages' weights files (mode import, init_weights).
 
-For an ImageFolder: every visible file under the data root with its size and modification time (a stat per
-file, nothing read), hashed, as make and rsync judge a file changed. For digits: scikit-learn's version
+For an ImageFolder: every visible file under the data root by its path relative to the root, its size and a hash
+of its content, all hashed: not the root's own path, nor the files' modification times, so the same images at
+another path, or copied with new times (another clone, another machine, a colleague's copy), give the same listing
+and DVC's run cache can match across them. The content hashes are kept per machine (`file_hashes`, as DVC's own
+state database keeps its hashes) by path, size, modification time and inode: a repro with nothing changed stats
+every file and reads none, a new or changed file is read once. For digits: scikit-learn's version
 (the images are generated from its load_digits; the rest is in convert's params); for photos, likewise
 scikit-image's version. convert depends on the
 result, so an image added, removed or replaced reruns convert and what follows; an unchanged tree gives the
@@ -17,10 +21,13 @@ Kept free of heavy imports (no torch): it runs on every repro.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib.metadata
 import os
+import sqlite3
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -31,6 +38,8 @@ from coarse2fine.files import project_path
 
 # Threads that stat an image folder's files, and files a thread stats at a time (see _tree_state).
 LISTING_THREADS, STAT_CHUNK = 16, 2048
+# Where the content hashes are kept: this path, else $XDG_CACHE_HOME (~/.cache)/coarse2fine/file_hashes.sqlite.
+HASH_CACHE_ENV = "COARSE2FINE_HASH_CACHE"
 
 
 def source_state(data: Data) -> dict[str, Any]:
@@ -41,7 +50,7 @@ def source_state(data: Data) -> dict[str, Any]:
     root = project_path(data.root)
     if not root.is_dir():
         raise UserError(f"data.root: {root}: data root not found (expected train/<class>/ and val/<class>/ folders)")
-    return {"kind": "imagefolder", "root": data.root, **_tree_state(root)}
+    return {"kind": "imagefolder", **_tree_state(root)}
 
 
 def weights_state(stage: str, cfg: Train) -> dict[str, Any]:
@@ -77,7 +86,8 @@ def token_labels_state(params: Params) -> dict[str, Any]:
 
 
 def _tree_state(root: Path) -> dict[str, Any]:
-    """Files per top-level folder, their total bytes, and a digest of every file's path, size and mtime.
+    """Files per top-level folder, their total bytes, and a digest of every file's relative path, size and content
+    hash.
 
     The names come from one directory read per folder (2,000 for ImageNet); the stats, one per file, from
     LISTING_THREADS threads in chunks: on NFS a stat is a round trip to the server (0.1-1 ms), and threads keep
@@ -87,13 +97,61 @@ def _tree_state(root: Path) -> dict[str, Any]:
     chunks = [names[start : start + STAT_CHUNK] for start in range(0, len(names), STAT_CHUNK)]
     with ThreadPoolExecutor(LISTING_THREADS) as pool:
         stats = [stat for part in pool.map(functools.partial(_stat_all, str(root)), chunks) for stat in part]
+    hashes = content_hashes(os.path.realpath(root), names, stats)
     digest = hashlib.sha256()
     counts: dict[str, int] = {}
-    for name, (size, mtime_ns) in zip(names, stats):
-        digest.update(f"{name}\0{size}\0{mtime_ns}\n".encode("utf-8", "surrogateescape"))
+    for name, (size, _, _), content in zip(names, stats, hashes):
+        digest.update(f"{name}\0{size}\0{content}\n".encode("utf-8", "surrogateescape"))
         top = name.partition("/")[0]
         counts[top] = counts.get(top, 0) + 1
-    return {"files": counts, "bytes": sum(size for size, _ in stats), "digest": digest.hexdigest()}
+    return {"files": counts, "bytes": sum(size for size, _, _ in stats), "digest": digest.hexdigest()}
+
+
+def hash_cache() -> Path:
+    if os.environ.get(HASH_CACHE_ENV):
+        return Path(os.environ[HASH_CACHE_ENV])
+    cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache_home, "coarse2fine", "file_hashes.sqlite")
+
+
+def content_hashes(root: str, names: Sequence[str], stats: Sequence[tuple[int, int, int]]) -> list[str]:
+    """The md5 of each file `root`/name, from the hash cache where its size, modification time and inode are the
+    ones cached, else read (LISTING_THREADS threads) and cached."""
+    paths = [f"{root}/{name}" for name in names]
+    cache = hash_cache()
+    try:
+        return _cached_hashes(cache, root, paths, stats)
+    except (sqlite3.Error, OSError) as error:  # a read-only or full home, a damaged file: read all, keep none
+        print(f"source: WARNING: the content hash cache {cache} is not usable ({error}): every image is read at "
+              f"every repro; set {HASH_CACHE_ENV} to a writable file", flush=True)
+        with ThreadPoolExecutor(LISTING_THREADS) as pool:
+            return list(pool.map(_md5, paths))
+
+
+def _cached_hashes(cache: Path, root: str, paths: list[str], stats: Sequence[tuple[int, int, int]]) -> list[str]:
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.closing(sqlite3.connect(cache, timeout=300)) as db:
+        db.execute("CREATE TABLE IF NOT EXISTS hashes "
+                   "(path TEXT PRIMARY KEY, size INTEGER, mtime_ns INTEGER, inode INTEGER, md5 TEXT)")
+        # Every row under the root in one range scan of the primary key ('/' + 1 is '0'): a tenth of the time of
+        # looking the paths up one by one.
+        rows = db.execute("SELECT path, size, mtime_ns, inode, md5 FROM hashes WHERE path >= ? AND path < ?",
+                          (f"{root}/", f"{root}0"))
+        known = {path: (size, mtime_ns, inode, md5) for path, size, mtime_ns, inode, md5 in rows}
+        hashes = [known[path][3] if known.get(path, ())[:3] == stat else None for path, stat in zip(paths, stats)]
+        missing = [k for k, found in enumerate(hashes) if found is None]
+        with ThreadPoolExecutor(LISTING_THREADS) as pool:
+            for k, content in zip(missing, pool.map(_md5, (paths[k] for k in missing))):
+                hashes[k] = content
+        with db:
+            db.executemany("INSERT OR REPLACE INTO hashes VALUES (?, ?, ?, ?, ?)",
+                           [(paths[k], *stats[k], hashes[k]) for k in missing])
+    return hashes
+
+
+def _md5(path: str) -> str:
+    with open(path, "rb") as file:
+        return hashlib.file_digest(file, "md5").hexdigest()
 
 
 def _visible_files(directory: str, prefix: str) -> list[str]:
@@ -111,9 +169,9 @@ def _visible_files(directory: str, prefix: str) -> list[str]:
     return names
 
 
-def _stat_all(root: str, names: list[str]) -> list[tuple[int, int]]:
+def _stat_all(root: str, names: list[str]) -> list[tuple[int, int, int]]:
     stats = []
     for name in names:
         stat = os.stat(f"{root}/{name}")
-        stats.append((stat.st_size, stat.st_mtime_ns))
+        stats.append((stat.st_size, stat.st_mtime_ns, stat.st_ino))
     return stats

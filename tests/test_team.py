@@ -20,7 +20,7 @@ from mlflow import MlflowClient
 from test_pipeline import EVERY_STAGE, FAST, SMOKE, TRACKED_STAGES, queued_names, workers_alive
 from test_slurm import SMALL
 
-from conftest import PROJECT_ROOT, Project, S3Server, free_ports
+from conftest import PROJECT_ROOT, Project, S3Server, free_ports, ran_stages
 from coarse2fine.slurm import DRY_RUN_ENV
 from coarse2fine.ssh import SSH_ENV
 
@@ -174,20 +174,23 @@ def clone(origin: Path, path: Path, home: Path) -> Project:
 
 @pytest.mark.slow
 def test_a_colleague_s_clone_pulls_the_team_s_stages_over_ssh_and_s3_and_runs_none(
-    ssh_server, s3_server, tmp_path
+    ssh_server, s3_server, team_server, tmp_path, request
 ):
     """Clone A trains on its image folder and pushes its stages, run cache and an experiment to two real remotes on
     127.0.0.1: SSH (Debian's sshd, dvc-ssh) and S3 (SeaweedFS, dvc-s3). Clones B (over SSH) and C (over S3), each
     with its own HOME, an empty cache and its own copy of the same images at another path, copied without their
     modification times, pull and reproduce: no stage command runs, their models are A's bytes, and `dvc exp show`
-    lists A's experiment."""
+    lists A's experiment. All three track to the team's MLflow server: B's and C's pipeline runs link A's stage
+    runs, and the registered model predicts from a clone with no store of its own."""
+    name = request.node.name
     origin = tmp_path / "origin.git"
     subprocess.run(["git", "init", "-q", "--bare", str(origin)], check=True)
     a = Project(tmp_path / "a")
     a.edit_params(FAST)
     a.edit_params({"data": {"source": "imagefolder", "root": str(image_folder(tmp_path / "images_a")), "subset": 1.0},
                    "teacher": {"epochs": 1}, "pretrain": {"epochs": 1}, "finetune": {"epochs": 1},
-                   "token_labels": {"top_k": 3}})  # 3 classes
+                   "token_labels": {"top_k": 3},  # 3 classes
+                   "tracking": {"experiment": name, "registered_model": name, "log_models": True}})
     s3 = {"endpointurl": s3_server.endpoint, "access_key_id": S3Server.KEY, "secret_access_key": S3Server.SECRET}
     a.run("dvc", "remote", "add", "ssh-team", f"ssh://127.0.0.1{tmp_path / 'ssh_remote'}")
     a.run("dvc", "remote", "modify", "ssh-team", "port", str(ssh_server.port))
@@ -202,7 +205,7 @@ def test_a_colleague_s_clone_pulls_the_team_s_stages_over_ssh_and_s3_and_runs_no
             project.run("dvc", "remote", "modify", "--local", "s3-team", key, s3[key])
 
     def own_home(project: Project, home: Path) -> None:
-        project.env["HOME"] = str(home)
+        project.env |= {"HOME": str(home), "MLFLOW_TRACKING_URI": team_server.uri}
         (home / ".ssh").mkdir(parents=True)
         (home / ".ssh" / "known_hosts").write_text(ssh_server.known_hosts_line)  # DVC's SSH checks the server's key
         credentials(project)
@@ -218,13 +221,20 @@ def test_a_colleague_s_clone_pulls_the_team_s_stages_over_ssh_and_s3_and_runs_no
     for remote in ("ssh-team", "s3-team"):
         a.run("dvc", "exp", "push", "-r", remote, "origin", "tighter-crop")
 
-    for name, remote in (("b", "ssh-team"), ("c", "s3-team")):
-        colleague = clone(origin, tmp_path / name, tmp_path / f"home_{name}")
-        own_home(colleague, tmp_path / f"home_{name}")
-        images = shutil.copytree(tmp_path / "images_a", tmp_path / f"images_{name}", copy_function=shutil.copyfile)
+    for who, remote in (("b", "ssh-team"), ("c", "s3-team")):
+        colleague = clone(origin, tmp_path / who, tmp_path / f"home_{who}")
+        own_home(colleague, tmp_path / f"home_{who}")
+        images = shutil.copytree(tmp_path / "images_a", tmp_path / f"images_{who}", copy_function=shutil.copyfile)
         colleague.edit_params({"data": {"root": str(images)}})
         colleague.run("dvc", "pull", "--run-cache", "-r", remote)
-        assert colleague.repro() == {"source", "lineage"}, remote  # what runs at every repro, and nothing else
+        reproduced = colleague.run("dvc", "repro").stdout
+        assert ran_stages(reproduced) == {"source", "lineage"}, remote  # what runs at every repro, and nothing else
+        for stage in ("convert", "teacher", "pretrain", "finetune"):  # linked to A's runs on the team's server
+            assert f"lineage: {stage}: cached, made by run " in reproduced, (remote, reproduced)
+        predicted = colleague.run("python", "-m", "coarse2fine.predict", f"models:/{name}@candidate",
+                                  str(images / "val"), "--json")
+        assert len(json.loads(predicted.stdout)["predictions"]) == 12
+        assert not (colleague.path / "mlflow.db").exists()
         for stage, content in models.items():
             assert (colleague.path / f"models/{stage}/model.pt").read_bytes() == content, (remote, stage)
         colleague.run("dvc", "exp", "pull", "-r", remote, "origin", "tighter-crop")

@@ -19,13 +19,12 @@ from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 from mlflow.utils.mlflow_tags import (
     MLFLOW_DATASET_CONTEXT, MLFLOW_PARENT_RUN_ID, MLFLOW_SOURCE_NAME, MLFLOW_SOURCE_TYPE,
 )
-import torch.distributed
 from torch import nn
 
 from coarse2fine import report
 from coarse2fine.config import Params
 from coarse2fine.data import records
-from coarse2fine.distributed import Runtime
+from coarse2fine.distributed import Runtime, broadcast_object
 from coarse2fine.files import file_sha256
 from coarse2fine.tracking.identity import (
     MODEL_EVALUATED_TAG, MODEL_ID_TAG, MODEL_MADE_BY_TAG, MODEL_WRITTEN_TAG, OUTPUTS_TAG, REPLACED_BY_TAG, STAGE_TAG,
@@ -113,10 +112,7 @@ class Tracker:
         one node, `system/node<N>/<metric>` (N: torchrun's GROUP_RANK) when there are several. Every rank calls
         it (rank 0 hands its run over to the other nodes)."""
         nodes = self.world_size // int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
-        target = [self.run_id, self.uri]
-        if nodes > 1 and torch.distributed.is_initialized():
-            torch.distributed.broadcast_object_list(target, src=0)
-        run_id, uri = target
+        run_id, uri = broadcast_object((self.run_id, self.uri)) if nodes > 1 else (self.run_id, self.uri)
         if run_id is None or self.local_rank != 0:
             return
         try:

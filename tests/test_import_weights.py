@@ -5,6 +5,7 @@ errors for the files that cannot be used. Every file is made here from a tiny VO
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 from pathlib import Path
 
@@ -227,6 +228,8 @@ def test_the_source_listing_follows_each_stages_weights_file(tmp_path):
     imported = make_params(pretrain={"mode": "import", "weights": str(path)})
     before = weights_state("pretrain", imported.pretrain)
     assert before["mode"] == "import" and before["path"] == str(path)
+    assert weights_state("pretrain", imported.pretrain) == before
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))  # copied anew: new times, same bytes
     assert weights_state("pretrain", imported.pretrain) == before
     save_weights(tiny_volo(seed=5), path, "state_dict")  # replaced by another file under the same name
     assert weights_state("pretrain", imported.pretrain) != before

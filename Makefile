@@ -141,7 +141,7 @@ ui: setup
 
 # A team's tracking server (docs/team.md): MLflow with PostgreSQL as its backend store and proxied artifacts, on
 # 127.0.0.1:5000; without --db it runs a PostgreSQL cluster of its own in .mlflow-server/. E.g.
-#   make server SERVER_ARGS="--db postgresql://mlflow:PASS@dbhost/mlflow --artifacts s3://bucket/mlflow --host 0.0.0.0"
+#   make server SERVER_ARGS="--db postgresql://mlflow:PASS@dbhost/mlflow --artifacts s3://bucket/mlflow --host 0.0.0.0 --auth"
 SERVER_ARGS ?=
 server: setup
 	$(BIN)/python -m coarse2fine.server $(SERVER_ARGS)

@@ -21,6 +21,7 @@ from test_pipeline import EVERY_STAGE, FAST, SMOKE, TRACKED_STAGES, queued_names
 from test_slurm import SMALL
 
 from conftest import PROJECT_ROOT, Project, S3Server, free_ports, ran_stages
+from coarse2fine.server import mlflow_server
 from coarse2fine.slurm import DRY_RUN_ENV
 from coarse2fine.ssh import SSH_ENV
 
@@ -75,6 +76,50 @@ def test_a_pipeline_and_two_queued_experiments_write_through_a_tracking_server(t
     assert queued == [cached | rerun, cached | rerun]
     versions = server.search_model_versions(f"name = '{name}'")
     assert len(versions) == 3  # one per fine-tuned model, each registered through the server
+
+
+def convert_tracked_to(uri: str, tmp_path: Path, launch: dict, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """The digits' convert stage, launched as dvc.yaml launches it, writing to `uri`; its outputs in tmp_path."""
+    tmp_path.mkdir()
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({"launch": launch, "data": {"source": "digits", "subset": 0.1},
+                                      "tracking": {"experiment": tmp_path.name}}))
+    return subprocess.run(
+        [sys.executable, "-m", "coarse2fine.launch", "stages/convert.py", "--params", str(params),
+         "--out", str(tmp_path / "records"), "--metrics", str(tmp_path / "metrics")],
+        cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=180,
+        env={**os.environ, "PYTHONPATH": str(PROJECT_ROOT / "src"), "MLFLOW_TRACKING_URI": uri, **env},
+    )
+
+
+@pytest.mark.slow
+def test_a_tracking_server_that_refuses_the_credentials_ends_the_stage_in_one_line(team_server, tmp_path):
+    """`make server --auth`'s server (MLflow's basic authentication) given a wrong password: one line naming
+    MLFLOW_TRACKING_URI and exit 2, nothing converted (tests/faults/test_environment.py: a server that is down); the
+    admin's password from the server's folder tracks the stage."""
+    (port,) = free_ports(1)
+    home = tmp_path / "server"
+    with mlflow_server(team_server.db, str(tmp_path / "artifacts"), port=port, auth=home, log=tmp_path / "log"):
+        uri = f"http://127.0.0.1:{port}"
+        assert oct((home / "admin_password").stat().st_mode & 0o777) == "0o600"
+        password = (home / "admin_password").read_text()
+        wrong = convert_tracked_to(uri, tmp_path / "wrong", {}, {"MLFLOW_TRACKING_USERNAME": "admin",
+                                                                  "MLFLOW_TRACKING_PASSWORD": password + "x"})
+        assert wrong.returncode == 2 and wrong.stderr == (
+            f"error: MLFLOW_TRACKING_URI {uri}: the tracking server refuses the credentials: set "
+            "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD to a user of the server's\n"), wrong.stderr[-3000:]
+        assert not (tmp_path / "wrong" / "records").exists()
+        admin = {"MLFLOW_TRACKING_USERNAME": "admin", "MLFLOW_TRACKING_PASSWORD": password}
+        tracked = convert_tracked_to(uri, tmp_path / "admin", {}, admin)
+        assert tracked.returncode == 0, tracked.stderr[-3000:]
+        os.environ.update(admin)
+        try:
+            client = MlflowClient(uri)
+            (run,) = client.search_runs([client.get_experiment_by_name("admin").experiment_id], "tags.stage = 'convert'")
+        finally:
+            for key in admin:
+                del os.environ[key]
+        assert run.info.status == "FINISHED" and run.data.metrics["images"] > 0, run
 
 
 def launch_pretrain(tmp_path, launch: dict, env: dict[str, str]) -> subprocess.CompletedProcess:

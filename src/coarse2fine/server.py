@@ -9,8 +9,9 @@ MLflow's docs say so); a server with a database is what a team on shared storage
 starts a PostgreSQL cluster of its own (Debian's `postgresql` package: initdb on first use, pg_ctl), listening on
 127.0.0.1 only, with a password generated once and kept in the cluster's folder (mode 0600). Artifacts are proxied
 (`--artifacts-destination`): clients need no access to the folder or bucket, only to the server. The server listens
-on 127.0.0.1 unless `--host` says otherwise (then put it behind a proxy that authenticates: MLflow's own server has
-no authentication).
+on 127.0.0.1 unless `--host` says otherwise; then give it `--auth` (MLflow's basic authentication: users and
+permissions in HOME/auth.db, an `admin` user whose password is generated once into HOME/admin_password, mode 0600;
+clients set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD) and TLS through a reverse proxy.
 """
 
 from __future__ import annotations
@@ -34,6 +35,15 @@ from coarse2fine.errors import UserError
 
 DEFAULT_HOME = Path(".mlflow-server")
 DATABASE, ROLE = "mlflow", "coarse2fine"
+ADMIN = "admin"
+# Every user may read and write every experiment (the pipeline's runs share one); who is a user is the admin's call.
+# MLflow's default is READ, with which a colleague's stages could not write to the experiment the first one made.
+AUTH_CONFIG = """[mlflow]
+default_permission = EDIT
+database_uri = sqlite:///{database}
+admin_username = {admin}
+authorization_function = mlflow.server.auth:authenticate_request_basic_auth
+"""
 POSTGRES_USER = "postgres"  # Debian's package makes it; initdb and postgres refuse to run as root
 STARTUP_SECONDS = 120
 
@@ -57,14 +67,13 @@ def local_postgres(home: Path, port: int) -> Iterator[str]:
     as_postgres = {"user": POSTGRES_USER} if os.geteuid() == 0 else {}
     if not (data / "PG_VERSION").is_file():
         home.mkdir(parents=True, exist_ok=True)
-        password_file.write_text(secrets.token_urlsafe(24))
-        password_file.chmod(0o600)
+        secret(password_file)
         if as_postgres:
             shutil.chown(home, POSTGRES_USER)
             shutil.chown(password_file, POSTGRES_USER)
         _run([postgres_program("initdb"), "-D", str(data), "-U", ROLE, "--auth=scram-sha-256",
               f"--pwfile={password_file}", "--encoding=UTF8", "--no-locale"], "initdb", **as_postgres)
-    password = password_file.read_text().strip()
+    password = secret(password_file)
     options = f"-c listen_addresses=127.0.0.1 -p {port} -k {home}"  # its socket in its own folder, not /run
     pg_ctl = postgres_program("pg_ctl")
     _run([pg_ctl, "-D", str(data), "-l", str(home / "postgres.log"), "-o", options, "-w", "start"],
@@ -83,17 +92,40 @@ def local_postgres(home: Path, port: int) -> Iterator[str]:
         subprocess.run([pg_ctl, "-D", str(data), "-m", "fast", "-w", "stop"], capture_output=True, **as_postgres)
 
 
+def secret(path: Path) -> str:
+    """The secret kept in `path`, generated (mode 0600) on first use."""
+    if not path.is_file():
+        path.touch(0o600)
+        path.write_text(secrets.token_urlsafe(24))
+    return path.read_text().strip()
+
+
+def auth_environment(home: Path) -> dict[str, str]:
+    """The environment of a server with MLflow's basic authentication, its users in `home`/auth.db: the config file,
+    the admin's password (used when the user store is created) and the key that signs its forms, the same at every
+    start (MLflow refuses to start without one)."""
+    home = home.resolve()
+    home.mkdir(parents=True, exist_ok=True)
+    config = home / "auth.ini"
+    config.write_text(AUTH_CONFIG.format(database=home / "auth.db", admin=ADMIN))
+    return {"MLFLOW_AUTH_CONFIG_PATH": str(config), "MLFLOW_AUTH_ADMIN_PASSWORD": secret(home / "admin_password"),
+            "MLFLOW_FLASK_SERVER_SECRET_KEY": secret(home / "secret_key")}
+
+
 @contextlib.contextmanager
 def mlflow_server(backend_uri: str, artifacts: str, *, host: str = "127.0.0.1", port: int = 5000,
-                  workers: int | None = None, log: Path | None = None) -> Iterator[subprocess.Popen]:
+                  workers: int | None = None, log: Path | None = None,
+                  auth: Path | None = None) -> Iterator[subprocess.Popen]:
     """`mlflow server` on host:port with `backend_uri` (passed in its environment, not on a command line `ps`
-    shows) and proxied artifacts, with MLflow's default number of workers unless `workers`; returns once it answers
-    /health, and stops it on leaving."""
+    shows) and proxied artifacts, with MLflow's default number of workers unless `workers`, with basic
+    authentication (its users in the folder `auth`) if asked; returns once it answers /health, and stops it on
+    leaving."""
     command = [sys.executable, "-m", "mlflow", "server", "--host", host, "--port", str(port),
-               "--artifacts-destination", artifacts, *(["--workers", str(workers)] if workers else [])]
+               "--artifacts-destination", artifacts, *(["--workers", str(workers)] if workers else []),
+               *(["--app-name", "basic-auth"] if auth else [])]
     # No job runner (MLflow's GenAI jobs, which start a huey consumer per worker) and, offline, no telemetry.
     env = {"MLFLOW_DISABLE_TELEMETRY": "true", **os.environ, "MLFLOW_BACKEND_STORE_URI": backend_uri,
-           "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+           "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **(auth_environment(auth) if auth else {})}
     with contextlib.ExitStack() as stack:
         output = stack.enter_context(open(log, "ab")) if log else subprocess.DEVNULL
         server = subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
@@ -146,6 +178,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                                             "(default: HOME/artifacts)")
     parser.add_argument("--host", default="127.0.0.1", help="default: 127.0.0.1 (loopback only)")
     parser.add_argument("--port", type=int, default=5000, help="default: 5000")
+    parser.add_argument("--auth", action="store_true",
+                        help="MLflow's basic authentication: users in HOME/auth.db, the admin's password in "
+                             "HOME/admin_password; clients set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD")
     args = parser.parse_args(argv)
     try:
         with contextlib.ExitStack() as stack:
@@ -153,11 +188,17 @@ def main(argv: Sequence[str] | None = None) -> None:
             artifacts = args.artifacts or str((args.home / "artifacts").resolve())
             args.home.mkdir(parents=True, exist_ok=True)
             log = args.home / "server.log"
-            server = stack.enter_context(mlflow_server(db, artifacts, host=args.host, port=args.port, log=log))
+            auth = args.home if args.auth else None
+            server = stack.enter_context(mlflow_server(db, artifacts, host=args.host, port=args.port, log=log,
+                                                       auth=auth))
             where = "its own PostgreSQL in " + str(args.home / "postgres") if args.db is None else "the --db database"
             print(f"MLflow tracking server at http://{args.host}:{args.port} (backend: {where}; artifacts: "
                   f"{artifacts}; log: {log})\nexport MLFLOW_TRACKING_URI=http://{args.host}:{args.port}  # then "
                   "dvc repro, dvc exp run, make ui; Ctrl-C stops the server", flush=True)
+            if auth:
+                print(f"users: MLFLOW_TRACKING_USERNAME={ADMIN}, MLFLOW_TRACKING_PASSWORD in "
+                      f"{auth / 'admin_password'}; add others in the UI or with mlflow.server.get_app_client",
+                      flush=True)
             with contextlib.suppress(KeyboardInterrupt):
                 server.wait()
     except UserError as error:

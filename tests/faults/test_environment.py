@@ -108,7 +108,6 @@ time.sleep(600)
 UNUSABLE_STORES = {
     "corrupt": "sqlite:///STORE",  # overwritten with garbage below (a bad copy, a disk error)
     "locked": "sqlite:///STORE",  # held in an exclusive transaction past sqlite's wait by another process
-    "server down": "http://127.0.0.1:9",  # the discard port: connection refused
     "bad URI": "bogus://nowhere",
     "cannot be written": "sqlite:////proc/coarse2fine/mlflow.db",
 }
@@ -145,3 +144,20 @@ def test_an_unusable_mlflow_store_is_one_warning_and_the_stage_writes_its_output
     assert (tmp_path / "records" / "manifest.json").is_file()
     images = json.loads((tmp_path / "records" / "manifest.json").read_text())["splits"]["train"]["images"]
     assert json.loads((tmp_path / "metrics" / "metrics.json").read_text())["images_train"] == images
+
+
+@pytest.mark.slow
+def test_a_tracking_server_that_is_down_when_a_stage_starts_ends_it_in_one_line(tmp_path):
+    """A server MLFLOW_TRACKING_URI names is what the user asked for: down at the start, the stage stops before it
+    does anything, every rank of a 2-process launch on rank 0's one line (tests/test_team.py: wrong credentials)."""
+    uri = "http://127.0.0.1:9"  # the discard port: connection refused
+    params = tmp_path / "params.yaml"
+    params.write_text("data: {source: digits, subset: 0.1}\nlaunch: {nproc_per_node: 2}\n")
+    env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT / "src"), "MLFLOW_TRACKING_URI": uri}
+    command = [sys.executable, "-m", "coarse2fine.launch", "stages/convert.py", "--params", str(params),
+               "--out", str(tmp_path / "records"), "--metrics", str(tmp_path / "metrics")]
+    result = subprocess.run(command, cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and len(result.stderr.splitlines()) == 1, result.stderr[-3000:]
+    assert result.stderr.startswith(f"error: MLFLOW_TRACKING_URI {uri}: the tracking server cannot be reached "
+                                    "(Connection refused): start it (make server)"), result.stderr
+    assert not (tmp_path / "records").exists() and not (tmp_path / "metrics").exists()  # nothing ran untracked

@@ -20,7 +20,7 @@ from coarse2fine.tracking.identity import (
     CACHED_FROM_TAG, MODEL_ID_TAG, OUTPUTS_TAG, REGISTERED_TAG, RESULT_STAGE, STAGE_TAG, outputs_digest, tracking_uri,
 )
 from coarse2fine.tracking.mlflow_store import (
-    MAX_METRICS_PER_BATCH, first_line, log_param_batches, opened_store, pipeline_run,
+    MAX_METRICS_PER_BATCH, first_line, log_param_batches, opened_store, pipeline_run, refuse_unusable_server,
 )
 
 logger = logging.getLogger(__name__)
@@ -33,7 +33,7 @@ TOP1_TAG, VAL_SET_TAG, SUBSET_TAG = "val.top1", "val.dataset", "data.subset"
 
 def record_lineage(params: Params, lock: Mapping[str, Any]) -> list[str] | None:
     """Complete this pipeline's run from dvc.lock's contents; returns one line per stage linked to a cached result.
-    MLflow unusable: one warning, nothing recorded, None."""
+    A local store unusable: one warning, nothing recorded, None; a tracking server unusable: a UserError."""
     uri = tracking_uri()
     try:
         with opened_store(uri) as client:
@@ -44,6 +44,7 @@ def record_lineage(params: Params, lock: Mapping[str, Any]) -> list[str] | None:
             lines += register_result(client, params, pipeline_id, made_by[RESULT_STAGE], evaluation)
         client.set_terminated(pipeline_id, "FINISHED")
     except Exception as error:
+        refuse_unusable_server(uri, error)
         logger.warning("warning: MLflow at %s is not usable (%s): no lineage recorded", uri, first_line(error))
         return None
     return lines

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from collections.abc import Iterator, Mapping
 
 import mlflow
@@ -11,9 +12,11 @@ import yaml
 from filelock import FileLock
 from mlflow import MlflowClient
 from mlflow.entities import Param
+from mlflow.exceptions import MlflowException
 from mlflow.utils.mlflow_tags import MLFLOW_SOURCE_NAME, MLFLOW_SOURCE_TYPE
 
 from coarse2fine.config import Params, flatten
+from coarse2fine.errors import UserError
 from coarse2fine.files import atomic_path
 from coarse2fine.tracking.identity import (
     DVC_EXPERIMENT_TAG, PIPELINE_KEY_TAG, PIPELINE_STAGE, STAGE_TAG, run_tags, sqlite_database,
@@ -127,6 +130,22 @@ def find_pipeline_run(client: MlflowClient, experiment_id: str, params: Params, 
                 run_id = first
     client.update_run(run_id, status="RUNNING")
     return run_id
+
+
+def refuse_unusable_server(uri: str, error: BaseException) -> None:
+    """Raise a UserError if `uri` is a tracking server (http, https) the store could not be opened at: the user named
+    it, so going on untracked is not what they asked for (one line, exit 2, before the stage spends its time). A
+    local store that cannot be opened stays a warning; a server that goes away later is retried (outbox.py)."""
+    if not uri.startswith(("http://", "https://")):
+        return
+    if isinstance(error, MlflowException) and error.get_http_status_code() in (401, 403):
+        problem = ("refuses the credentials: set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD to a user of "
+                   "the server's")
+    else:
+        reason = re.search(r"\[Errno -?\d+\] ([^'\")]+)", str(error))
+        problem = (f"cannot be reached ({reason.group(1) if reason else first_line(error)}): start it (make server), "
+                   "or unset MLFLOW_TRACKING_URI to track to ./mlflow.db")
+    raise UserError(f"MLFLOW_TRACKING_URI {uri}: the tracking server {problem}") from None
 
 
 def first_line(error: BaseException) -> str:

@@ -25,6 +25,7 @@ from coarse2fine import report
 from coarse2fine.config import Params
 from coarse2fine.data import records
 from coarse2fine.distributed import Runtime, broadcast_object
+from coarse2fine.errors import UserError
 from coarse2fine.files import file_sha256
 from coarse2fine.tracking.identity import (
     MODEL_EVALUATED_TAG, MODEL_ID_TAG, MODEL_MADE_BY_TAG, MODEL_WRITTEN_TAG, OUTPUTS_TAG, REPLACED_BY_TAG, STAGE_TAG,
@@ -33,7 +34,7 @@ from coarse2fine.tracking.identity import (
 from coarse2fine.tracking.live import FileOnlyLive
 from coarse2fine.tracking.logged_model import log_model
 from coarse2fine.tracking.mlflow_store import (
-    first_line, log_param_batches, log_resolved_params, opened_store, pipeline_run,
+    first_line, log_param_batches, log_resolved_params, opened_store, pipeline_run, refuse_unusable_server,
 )
 from coarse2fine.tracking.outbox import Outbox
 
@@ -83,10 +84,19 @@ class Tracker:
         self._monitor: SystemMetricsMonitor | None = None
 
     def __enter__(self) -> Tracker:
+        refused = None
         if self.enabled:
-            self._open()
+            try:
+                self._open()
+            except UserError as error:  # a tracking server the user named, and the stage cannot use
+                refused = str(error)
+        run_id, uri = self.run_id, self.uri
+        if self.world_size > 1:  # every rank stops on rank 0's one line, not at its next collective
+            refused, run_id, uri = broadcast_object((refused, run_id, uri))
+        if refused is not None:
+            raise UserError(refused)
         if self.system_metrics:
-            self._monitor_this_node()
+            self._monitor_this_node(run_id, uri)
         return self
 
     def _open(self) -> None:
@@ -100,6 +110,7 @@ class Tracker:
                 self.run_id = self._open_run(uri)
             self._outbox = Outbox(self._call, uri)
         except Exception as error:  # whatever the store raised: MlflowException, sqlalchemy, requests, OSError
+            refuse_unusable_server(uri, error)
             self._without_mlflow(error)
         try:
             self._live = FileOnlyLive(str(self.metrics_dir))
@@ -107,12 +118,11 @@ class Tracker:
             self._mlflow("set_terminated", self.run_id, "FAILED")
             raise
 
-    def _monitor_this_node(self) -> None:
-        """MLflow's system-metrics sampler on the first rank of every node, into rank 0's run: `system/<metric>` on
-        one node, `system/node<N>/<metric>` (N: torchrun's GROUP_RANK) when there are several. Every rank calls
-        it (rank 0 hands its run over to the other nodes)."""
+    def _monitor_this_node(self, run_id: str | None, uri: str | None) -> None:
+        """MLflow's system-metrics sampler on the first rank of every node, into rank 0's run (`run_id` at `uri`):
+        `system/<metric>` on one node, `system/node<N>/<metric>` (N: torchrun's GROUP_RANK) when there are
+        several."""
         nodes = self.world_size // int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
-        run_id, uri = broadcast_object((self.run_id, self.uri)) if nodes > 1 else (self.run_id, self.uri)
         if run_id is None or self.local_rank != 0:
             return
         try:
@@ -126,7 +136,7 @@ class Tracker:
             self._monitor = None
 
     def _without_mlflow(self, error: BaseException) -> None:
-        """The store could not be opened: one warning, then MLflow is off for the stage."""
+        """A local store could not be opened: one warning, then MLflow is off for the stage."""
         logger.warning(
             "warning: MLflow at %s is not usable (%s): %s goes on without it; its metrics are in %s",
             self.uri, first_line(error), self.stage, self.metrics_dir,

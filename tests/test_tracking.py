@@ -19,7 +19,7 @@ import pytest
 import torch
 import yaml
 from conftest import DIGITS_RECORDS_PARAMS, PROJECT_ROOT, cpu_runtime, make_params
-from test_scale_out import finish, start_stage
+from test_scale_out import start_stage
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 from mlflow.utils.mlflow_tags import MLFLOW_GIT_COMMIT, MLFLOW_PARENT_RUN_ID

@@ -259,6 +259,15 @@ def test_a_colleague_s_clone_pulls_the_team_s_stages_over_ssh_and_s3_and_runs_no
     assert a.repro() == EVERY_STAGE
     a.commit("results")  # dvc.lock and the uncached metrics in git, as DVC's projects keep them
     a.run("git", "push", "-q", "origin", "HEAD:main")
+    # A remote that cannot be reached: DVC's error names it, and nothing is lost: the outputs stay in A's cache
+    # (the pushes below send them).
+    (closed,) = free_ports(1)
+    a.run("dvc", "remote", "add", "--local", "away", f"ssh://127.0.0.1:{closed}/nowhere")
+    away = a.run("dvc", "push", "--run-cache", "-r", "away", check=False)
+    assert away.returncode != 0 and f"ERROR: unexpected error - [Errno 111] Connect call failed ('127.0.0.1', {closed})" \
+        in away.stderr, away.stderr
+    status = a.run("dvc", "status").stdout  # nothing deleted or modified: only the stages that always run
+    assert {line.strip() for line in status.splitlines() if line.startswith("\t")} == {"always changed"}, status
     for remote in ("ssh-team", "s3-team"):
         a.run("dvc", "push", "--run-cache", "-r", remote)
     models = {stage: (a.path / f"models/{stage}/model.pt").read_bytes() for stage in ("teacher", "pretrain", "finetune")}

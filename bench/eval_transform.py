@@ -21,7 +21,7 @@ import torch
 from PIL import Image
 from timm.data import create_transform
 
-from coarse2fine import models
+from coarse2fine import checkpoints
 from coarse2fine.data import records
 from coarse2fine.config import Augment, Loader
 from coarse2fine.data.loaders import build_loader
@@ -78,7 +78,7 @@ def levels(image: torch.Tensor) -> torch.Tensor:
 
 def main() -> None:
     args = parse_args()
-    payload = models.read_model_file(args.model, torch.device("cpu")) if args.model else None
+    payload = checkpoints.read_model_file(args.model, torch.device("cpu")) if args.model else None
     size = args.size or (payload["img_size"] if payload else 64)
     reference = timm_images(args.records, size, args.crop_pct, 16 if args.tiny else None)
     ours = dali_images(args.records, size, args.crop_pct, set(reference))
@@ -94,7 +94,7 @@ def main() -> None:
              markdown_table(["images", "view", "mean |diff| per pixel", "largest |diff| per image: median / 90 % / max"],
                             rows)]
     if payload is not None:
-        model = models.model_from_payload(payload, str(args.model), torch.device("cpu")).eval()
+        model = checkpoints.model_from_payload(payload, str(args.model), torch.device("cpu")).eval()
         labels = torch.tensor([reference[i][1] for i in indices])
         with torch.inference_mode():
             predicted = {name: torch.cat([model(torch.stack(chunk)).argmax(1) for chunk in _chunks(images, 64)])

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from _common import CPU, add_tiny_argument, header_line, markdown_table, tiny_sizes, write_json
-from coarse2fine import models
+from coarse2fine import checkpoints
 from coarse2fine.config import load_params
 from coarse2fine.data import records
 from coarse2fine.data.loaders import build_loader
@@ -90,7 +90,7 @@ def main() -> None:
     project = args.project
     params = load_params(project / "params.yaml")
     records_dir = project / "data" / "records"
-    teacher, info = models.load_model_file(project / "models" / "teacher" / "model.pt", "cpu")
+    teacher, info = checkpoints.load_model_file(project / "models" / "teacher" / "model.pt", "cpu")
     teacher.eval()
     head = dense_head(teacher)
     num_classes = len(records.read_classes(records_dir))

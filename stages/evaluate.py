@@ -11,7 +11,7 @@ records, rank 0 writes the files).
 import argparse
 from pathlib import Path
 
-from coarse2fine import cli, distributed, models
+from coarse2fine import checkpoints, cli, distributed
 from coarse2fine.config import EVALUATED_MODELS, ModelEvaluation, Params
 from coarse2fine.data import records
 from coarse2fine.data.loaders import build_loader, Loader, resolve_backend
@@ -33,8 +33,8 @@ def main(params: Params, args: argparse.Namespace) -> None:
     classes_file = Path(args.records) / records.CLASSES_FILE
     classes = records.read_classes(args.records)
     with distributed.session(params.launch.device) as runtime:
-        payload = models.read_model_file(args.model, runtime.device)  # read once, built at every size
-        model = models.model_from_payload(payload, args.model, runtime.device)
+        payload = checkpoints.read_model_file(args.model, runtime.device)  # read once, built at every size
+        model = checkpoints.model_from_payload(payload, args.model, runtime.device)
         if payload["classes"] != classes:
             raise UserError(_class_mismatch(args.model, payload["classes"], classes_file, classes))
         own_size = payload["img_size"]
@@ -50,7 +50,7 @@ def main(params: Params, args: argparse.Namespace) -> None:
             lines = [f"{stage}: at {own_size} px (its own): top-1 {result.top1:.2f} %, top-5 {result.top5:.2f} %, "
                      f"loss {result.loss:.4f}, n = {result.n}"]
             for size in (size for size in cfg.extra_sizes if size != own_size):
-                resized = models.model_from_payload(payload, args.model, runtime.device, img_size=size)
+                resized = checkpoints.model_from_payload(payload, args.model, runtime.device, img_size=size)
                 extra = evaluate(resized, _val_loader(params, cfg, args.records, size, runtime), runtime, len(classes))
                 summary |= {f"top1_at_{size}": extra.top1, f"top5_at_{size}": extra.top5}
                 lines.append(f"{stage}: at {size} px: top-1 {extra.top1:.2f} %, top-5 {extra.top5:.2f} %")

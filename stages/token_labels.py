@@ -24,7 +24,7 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
-from coarse2fine import cli, distributed, models, provenance
+from coarse2fine import checkpoints, cli, distributed, provenance
 from coarse2fine.config import Params
 from coarse2fine.data import records
 from coarse2fine.distributed import Runtime
@@ -105,7 +105,7 @@ def _generator(
     """The teacher's forward over every train record (mode generate)."""
     cfg = params.token_labels
     runtime.announce("token_labels", cfg.precision, loader="torch")  # generate's own DataLoader
-    teacher, info = models.load_model_file(args.teacher, runtime.device)
+    teacher, info = checkpoints.load_model_file(args.teacher, runtime.device)
     if info["classes"] != classes:
         raise UserError(f"{args.teacher}: a teacher for other classes than {args.records}; rerun the teacher stage")
     records_digest = records.manifest_digest(args.records)

@@ -576,12 +576,12 @@ def test_eval_transform_tiny_compares_dali_with_timm_pixel_by_pixel_and_by_top1(
     predicts the same classes both ways."""
     from conftest import make_params
 
-    from coarse2fine import models
+    from coarse2fine import checkpoints, models
     from coarse2fine.data.transforms import eval_transform
 
     params = make_params()
     model = models.build_model(params.model, num_classes=10, img_size=32)
-    models.save_model_file(tmp_path / "model.pt", model, model_cfg=params.model, img_size=32,
+    checkpoints.save_model_file(tmp_path / "model.pt", model, model_cfg=params.model, img_size=32,
                            classes=[str(k) for k in range(10)], stage="finetune",
                            eval_transform=eval_transform(32, 1.0, "bicubic"))
     report = run_bench("eval_transform", "--tiny", "--records", str(digits_records), "--model", str(tmp_path / "model.pt"))

@@ -24,7 +24,7 @@ from PIL import Image
 from sklearn.metrics import confusion_matrix, log_loss, top_k_accuracy_score
 from torch import nn
 
-from coarse2fine import models
+from coarse2fine import checkpoints, models
 from coarse2fine.data import records
 from coarse2fine.data.convert import convert
 from coarse2fine.data.loaders import build_loader
@@ -191,7 +191,7 @@ def model_file(odd_records, tmp_path_factory) -> Path:
     model = models.build_model(make_params().model, NUM_CLASSES, IMG_SIZE).eval()
     fit_head_by_least_squares(model, list(loader(odd_records, "train", 64)))
     path = tmp_path_factory.mktemp("model") / "model.pt"
-    models.save_model_file(
+    checkpoints.save_model_file(
         path, model, model_cfg=make_params().model, img_size=IMG_SIZE, classes=records.read_classes(odd_records), stage="pretrain"
     )
     return path
@@ -200,12 +200,12 @@ def model_file(odd_records, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def reference(odd_records, model_file) -> EvalResult:
     """Single process, one big batch."""
-    model, _ = models.load_model_file(model_file)
+    model, _ = checkpoints.load_model_file(model_file)
     return evaluate(model, loader(odd_records, "val", 256), cpu_runtime(), NUM_CLASSES)
 
 
 def test_evaluate_agrees_with_scikit_learn_on_real_records(odd_records, model_file, reference):
-    model, _ = models.load_model_file(model_file)
+    model, _ = checkpoints.load_model_file(model_file)
     labels, logits = [], []
     with torch.inference_mode():
         for batch in loader(odd_records, "val", 17):
@@ -307,7 +307,7 @@ def test_stage_evaluates_at_extra_resolutions_with_the_position_embedding_resamp
     metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
     assert metrics["img_size"] == IMG_SIZE and "top1_at_32" not in metrics  # its own size is not repeated
     # The same model rebuilt for 48 px inputs: another number, from the same weights, over the same images.
-    resized, _ = models.load_model_file(model_file, img_size=48)
+    resized, _ = checkpoints.load_model_file(model_file, img_size=48)
     assert tuple(resized.pos_embed.shape[1:3]) == (3, 3)  # 2 x 2 tokens at 32 px, 3 x 3 at 48
     loader48 = build_loader(
         "val", odd_records, img_size=48, batch_size=64, runtime=cpu_runtime(),

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from conftest import PROJECT_ROOT, cpu_runtime, make_params
 
-from coarse2fine import models
+from coarse2fine import checkpoints, models
 from coarse2fine.config import CustomVolo, TimmModel
 from coarse2fine.data.loaders import build_loader
 from coarse2fine.errors import UserError
@@ -24,7 +24,7 @@ TINY_VOLO = CustomVolo(patch_size=4)  # stride 8: 2 x 2 tokens at 16 px, 3 x 3 a
 def test_volo_weights_load_at_another_resolution_with_the_position_embedding_resampled():
     coarse = models.build_model(TINY_VOLO, 10, 16)
     fine = models.build_model(TINY_VOLO, 10, 32)
-    report = models.fit_state_dict(fine, coarse.state_dict(), "coarse.pt")
+    report = checkpoints.fit_state_dict(fine, coarse.state_dict(), "coarse.pt")
     assert report.resampled == ["pos_embed 2x2 -> 4x4"] and report.reset == []
     assert report.loaded == len(fine.state_dict())  # every tensor, one of them resampled
     for key, value in coarse.state_dict().items():
@@ -44,7 +44,7 @@ def test_a_volo_position_embedding_is_resampled_as_sail_sg_volo_does(sizes):
     with torch.no_grad():
         source.pos_embed.normal_(generator=torch.Generator().manual_seed(0))  # a grid with structure to resample
     target = models.build_model(TINY_VOLO, 10, fine_size)
-    models.fit_state_dict(target, source.state_dict(), "source.pt")
+    checkpoints.fit_state_dict(target, source.state_dict(), "source.pt")
     grid = target.pos_embed.shape[1:3]
     reference = F.interpolate(source.pos_embed.permute(0, 3, 1, 2), size=tuple(grid), mode="bicubic").permute(0, 2, 3, 1)
     torch.testing.assert_close(target.pos_embed, reference, rtol=0, atol=0)
@@ -53,7 +53,7 @@ def test_a_volo_position_embedding_is_resampled_as_sail_sg_volo_does(sizes):
 def test_vit_keeps_its_class_token_when_its_grid_is_resampled():
     vit = TimmModel(name="vit_tiny_patch16_224")
     coarse, fine = models.build_model(vit, 10, 32), models.build_model(vit, 10, 64)
-    report = models.fit_state_dict(fine, coarse.state_dict(), "vit.pt")
+    report = checkpoints.fit_state_dict(fine, coarse.state_dict(), "vit.pt")
     assert report.resampled == ["pos_embed 2x2 -> 4x4"]
     torch.testing.assert_close(fine.pos_embed[:, :1], coarse.pos_embed[:, :1], rtol=0, atol=0)  # the class token's
 
@@ -61,26 +61,26 @@ def test_vit_keeps_its_class_token_when_its_grid_is_resampled():
 def test_another_class_count_resets_the_heads_and_says_so_and_nothing_else_is_dropped():
     coarse = models.build_model(TINY_VOLO, 10, 16)
     fine = models.build_model(TINY_VOLO, 3, 24)
-    report = models.fit_state_dict(fine, coarse.state_dict(), "coarse.pt", new_classes=True)
+    report = checkpoints.fit_state_dict(fine, coarse.state_dict(), "coarse.pt", new_classes=True)
     assert sorted(report.reset) == ["aux_head.bias", "aux_head.weight", "head.bias", "head.weight"]
     assert report.loaded + len(report.reset) == len(fine.state_dict())
     assert "not loaded (another class count; freshly initialised): " in report.lines("coarse.pt")[-1]
     with pytest.raises(UserError, match=r"coarse.pt does not fit VOLO with 3 classes .*head.weight \(10, 128\) vs \(3, 128\)"):
-        models.fit_state_dict(fine, coarse.state_dict(), "coarse.pt")  # a model file must match its classes
+        checkpoints.fit_state_dict(fine, coarse.state_dict(), "coarse.pt")  # a model file must match its classes
     other = models.build_model(CustomVolo(patch_size=4, embed_dims=(64, 128, 128, 256), num_heads=(2, 4, 4, 8)), 10, 16)
     with pytest.raises(UserError, match="shape .file vs model."):
-        models.fit_state_dict(other, coarse.state_dict(), "coarse.pt")
+        checkpoints.fit_state_dict(other, coarse.state_dict(), "coarse.pt")
 
 
 def test_fine_tuning_refuses_a_model_file_of_another_architecture(tmp_path):
     path = tmp_path / "model.pt"
-    models.save_model_file(path, models.build_model(TINY_VOLO, 10, 16), model_cfg=TINY_VOLO, img_size=16,
+    checkpoints.save_model_file(path, models.build_model(TINY_VOLO, 10, 16), model_cfg=TINY_VOLO, img_size=16,
                            classes=[str(i) for i in range(10)], stage="pretrain")
     wider = CustomVolo(patch_size=4, embed_dims=(64, 128, 128, 256), num_heads=(2, 4, 4, 8))
     with pytest.raises(UserError, match=r"another architecture than model.\* \(embed_dims \[64, 128, 128, 128\] vs \[64, 128, 128, 256\]"):
-        models.init_from_model_file(models.build_model(wider, 10, 24), wider, path)
+        checkpoints.init_from_model_file(models.build_model(wider, 10, 24), wider, path)
     deeper_drop_path = CustomVolo(patch_size=4, drop_path=0.1)  # a training knob, not the weights' layout: loads
-    report = models.init_from_model_file(models.build_model(deeper_drop_path, 10, 24), deeper_drop_path, path)
+    report = checkpoints.init_from_model_file(models.build_model(deeper_drop_path, 10, 24), deeper_drop_path, path)
     assert report.resampled == ["pos_embed 2x2 -> 3x3"]
 
 
@@ -110,7 +110,7 @@ def test_pretrained_at_32_px_fine_tuned_at_48_keeps_its_accuracy(digits_records,
         return paths.model_file
 
     def top1(model_file: Path) -> float:
-        model, info = models.load_model_file(model_file)
+        model, info = checkpoints.load_model_file(model_file)
         loader = build_loader(
             "val", digits_records, img_size=info["img_size"], batch_size=64, runtime=cpu_runtime(),
             loader_cfg=params.loader, augment_cfg=params.augment, crop_pct=1.0, seed=0,
@@ -124,4 +124,4 @@ def test_pretrained_at_32_px_fine_tuned_at_48_keeps_its_accuracy(digits_records,
     coarse_top1, fine_top1 = top1(coarse), top1(fine)
     assert coarse_top1 >= 85.0, coarse_top1  # chance is 10 %
     assert fine_top1 >= coarse_top1 - 1.0, (coarse_top1, fine_top1)
-    assert models.load_model_file(fine)[1]["img_size"] == 48
+    assert checkpoints.load_model_file(fine)[1]["img_size"] == 48

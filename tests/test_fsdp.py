@@ -22,7 +22,7 @@ import torch
 import yaml
 from torch import nn
 
-from coarse2fine import distributed, models
+from coarse2fine import checkpoints, distributed, forward, models
 from coarse2fine.config import CustomVolo, TimmModel
 from coarse2fine.parallel import model_blocks, strategies
 from coarse2fine.training import train
@@ -72,7 +72,7 @@ def test_fsdp_trains_the_pretrain_stage_as_ddp_does(fsdp_run, one_node_two_ranks
     assert not (fsdp_run / "ckpt").exists()  # finished: the checkpoint and its shards are gone
 
     # The model file is a plain one: loaded without FSDP, it evaluates to the stage's own top-1.
-    model, card = models.load_model_file(fsdp_run / "model" / "model.pt")
+    model, card = checkpoints.load_model_file(fsdp_run / "model" / "model.pt")
     assert all(type(tensor) is torch.Tensor for tensor in model.state_dict().values())
     evaluation = subprocess.run(
         launch_command("stages/evaluate.py", "--model", fsdp_run / "model" / "model.pt", "--settings", "pretrain",
@@ -162,7 +162,7 @@ def _bf16_step(runtime, out_dir: Path) -> None:
     def loss_of(module: nn.Module, rank: int) -> torch.Tensor:
         images, labels = _batch(1, rank, world)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            return nn.functional.cross_entropy(models.TrainForward(module)(images).merged().float(), labels)
+            return nn.functional.cross_entropy(forward.TrainForward(module)(images).merged().float(), labels)
 
     loss = loss_of(model, runtime.rank)
     loss.backward()

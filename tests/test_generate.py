@@ -18,7 +18,7 @@ import yaml
 from conftest import DIGITS_PIPELINE, LOADER_GRAPHS, cpu_runtime, launch_command, make_params, merge
 from PIL import Image
 
-from coarse2fine import models
+from coarse2fine import checkpoints, forward, models
 from coarse2fine.config import CustomVolo, TimmModel
 from coarse2fine.data import records
 from coarse2fine.data.convert import convert
@@ -52,11 +52,11 @@ def test_a_cnn_dense_map_averages_to_the_models_own_logits(name):
 def test_token_models_lay_their_patch_tokens_back_on_the_grid():
     torch.manual_seed(0)
     volo = models.build_model(CustomVolo(patch_size=4), num_classes=5, img_size=32)
-    forward = models.TrainForward(volo).train()
+    train_forward = forward.TrainForward(volo).train()
     volo.patch_embed.eval()  # the training forward only runs in train mode: freeze BatchNorm to compare
     images = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
-        aux_logits = forward(images).aux_logits  # [B, 16, C], row-major: VOLO's own per-token predictions
+        aux_logits = train_forward(images).aux_logits  # [B, 16, C], row-major: VOLO's own per-token predictions
         dense = dense_head(volo.eval())(images)
     torch.testing.assert_close(dense, aux_logits.transpose(1, 2).reshape(2, 5, 4, 4))
 
@@ -411,7 +411,7 @@ def run_token_labels_stage(tmp_path: Path, records_dir: Path, teacher_file: Path
 def test_two_ranks_write_the_same_bytes_as_one(digits_records, tmp_path):
     model_cfg = TimmModel(name="resnet10t", output_stride=8)
     teacher_file = tmp_path / "teacher.pt"
-    models.save_model_file(
+    checkpoints.save_model_file(
         teacher_file, random_teacher(10), model_cfg=model_cfg, img_size=32,
         classes=records.read_classes(digits_records), stage="teacher",
     )

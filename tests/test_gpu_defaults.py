@@ -14,7 +14,7 @@ from timm.models.volo import VOLO
 from torch._dynamo.eval_frame import OptimizedModule
 from torch._dynamo.testing import CompileCounter
 
-from coarse2fine import config, models
+from coarse2fine import config, forward, models
 from coarse2fine.distributed import Runtime
 from coarse2fine.training import train
 
@@ -96,7 +96,7 @@ def test_mix_token_boxes_compile_once(monkeypatch, fresh_dynamo):
     params = make_params(model={"embed_dims": [16, 32, 32, 32], "num_heads": [1, 2, 2, 2]})
     torch.manual_seed(0)
     model = models.build_model(params.model, NUM_CLASSES, 32, mix_token=True)
-    train_forward = models.compiled_train_forward(model).train()
+    train_forward = forward.compiled_train_forward(model).train()
     boxes, frames = set(), []
     for seed in range(6):
         output = train_forward(batch(seed)["image"])

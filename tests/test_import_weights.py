@@ -16,7 +16,7 @@ from conftest import (
 )
 from safetensors.torch import save_file
 
-from coarse2fine import models
+from coarse2fine import checkpoints, models
 from coarse2fine.config import load_params
 from coarse2fine.data.listing import weights_state
 from coarse2fine.data.loaders import build_loader
@@ -67,7 +67,7 @@ def test_every_format_loads_exactly_the_saved_weights(tmp_path, layout):
     source = tiny_volo(seed=1)
     path = save_weights(source, tmp_path / file_name(layout), layout)
     target = tiny_volo(seed=2)
-    report = models.load_weights(target, path, "pretrain.weights", use_ema=layout == "timm_ema_checkpoint")
+    report = checkpoints.load_weights(target, path, "pretrain.weights", use_ema=layout == "timm_ema_checkpoint")
     assert report.loaded == len(source.state_dict()) and not report.resampled and not report.reset
     for key, value in source.state_dict().items():
         assert torch.equal(target.state_dict()[key], value), key
@@ -183,7 +183,7 @@ BAD_FILES = {
 def test_a_file_that_cannot_be_used_is_one_line_naming_it(tmp_path, bad):
     path, words = BAD_FILES[bad](tmp_path)
     with pytest.raises(UserError) as error:
-        models.load_weights(tiny_volo(), path, "pretrain.weights")
+        checkpoints.load_weights(tiny_volo(), path, "pretrain.weights")
     message = str(error.value)
     assert message.startswith(f"pretrain.weights: {path}") and "\n" not in message
     assert all(word in message for word in words), message
@@ -192,7 +192,7 @@ def test_a_file_that_cannot_be_used_is_one_line_naming_it(tmp_path, bad):
 def test_a_whole_pickled_model_is_refused_by_weights_only_loading(tmp_path):
     torch.save(tiny_volo(), tmp_path / "model.pth")
     with pytest.raises(UserError, match="pickles Python objects besides tensors: save the model's state_dict()"):
-        models.load_weights(tiny_volo(), tmp_path / "model.pth", "pretrain.weights")
+        checkpoints.load_weights(tiny_volo(), tmp_path / "model.pth", "pretrain.weights")
 
 
 def test_the_mode_and_its_file_are_checked_with_the_params():

@@ -1,4 +1,4 @@
-"""models.py: building VOLOs, the training forward, and the final model file."""
+"""models.py, forward.py and checkpoints.py: building VOLOs, the training forward, and the final model file."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from conftest import make_params
 from torch import nn
 
-from coarse2fine import models
+from coarse2fine import checkpoints, forward, models
 from coarse2fine.errors import UserError
 
 
@@ -47,12 +47,12 @@ def test_named_volo_is_timms_architecture_with_our_head_and_size():
 def test_train_forward_gives_class_and_token_logits_matching_inference():
     torch.manual_seed(0)
     model = tiny_model()
-    forward = models.TrainForward(model).train()
+    train_forward = forward.TrainForward(model).train()
     # forward_train only runs in training mode; freeze the stem's BatchNorm statistics so both paths
     # compute the same function.
     model.patch_embed.eval()
     images = torch.randn(4, 3, 32, 32)
-    output = forward(images)
+    output = train_forward(images)
     assert output.cls_logits.shape == (4, 10)
     assert output.aux_logits.shape == (4, 4, 10)  # 2x2 tokens
     torch.testing.assert_close(output.merged(), model(images))
@@ -63,15 +63,15 @@ def test_model_file_round_trip(tmp_path):
     model = tiny_model(num_classes=3).eval()
     params = make_params()
     path = tmp_path / "out" / "model.pt"
-    models.save_model_file(path, model, model_cfg=params.model, img_size=32, classes=["a", "b", "c"], stage="pretrain")
+    checkpoints.save_model_file(path, model, model_cfg=params.model, img_size=32, classes=["a", "b", "c"], stage="pretrain")
 
     payload = torch.load(path, weights_only=True)
     assert payload["model_cfg"]["layers"] == [1, 1, 1, 1]
     assert (payload["img_size"], payload["classes"], payload["stage"]) == (32, ["a", "b", "c"], "pretrain")
 
-    loaded, info = models.load_model_file(path)
+    loaded, info = checkpoints.load_model_file(path)
     assert not loaded.training
-    assert info == {key: payload[key] for key in models.MODEL_FILE_KEYS if key != "model"}
+    assert info == {key: payload[key] for key in checkpoints.MODEL_FILE_KEYS if key != "model"}
     images = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         torch.testing.assert_close(loaded(images), model(images), rtol=0, atol=0)
@@ -82,7 +82,7 @@ def test_model_file_round_trip(tmp_path):
 def test_unreadable_model_files_are_user_errors_naming_the_file(tmp_path, content):
     path = tmp_path / "model.pt"
     if content == "truncated":
-        models.save_model_file(
+        checkpoints.save_model_file(
             path, tiny_model(), model_cfg=make_params().model, img_size=32, classes=list("0123456789"), stage="x"
         )
         path.write_bytes(path.read_bytes()[:1000])
@@ -91,14 +91,14 @@ def test_unreadable_model_files_are_user_errors_naming_the_file(tmp_path, conten
     elif content is not None:
         path.write_bytes(content)
     with pytest.raises(UserError, match=str(path)):
-        models.load_model_file(path)
+        checkpoints.load_model_file(path)
 
 
 def test_atomic_save_leaves_the_old_file_when_writing_fails(tmp_path):
     path = tmp_path / "last.pt"
-    models.atomic_save({"epoch": 1}, path)
+    checkpoints.atomic_save({"epoch": 1}, path)
     with pytest.raises(Exception):
-        models.atomic_save({"epoch": 2, "bad": lambda: None}, path)  # lambdas cannot be pickled
+        checkpoints.atomic_save({"epoch": 2, "bad": lambda: None}, path)  # lambdas cannot be pickled
     assert torch.load(path, weights_only=True) == {"epoch": 1}
     assert [p.name for p in tmp_path.iterdir()] == ["last.pt"]
 
@@ -112,7 +112,7 @@ def test_atomic_save_leaves_the_old_file_when_writing_fails(tmp_path):
 )
 def test_any_timm_model_trains_through_the_train_forward(model_cfg, img_size):
     model = tiny_model(num_classes=5, img_size=img_size, **model_cfg)
-    output = models.TrainForward(model).train()(torch.randn(2, 3, img_size, img_size))
+    output = forward.TrainForward(model).train()(torch.randn(2, 3, img_size, img_size))
     assert output.aux_logits is None and output.cls_logits.shape == (2, 5)
     assert output.merged() is output.cls_logits
     if "output_stride" in model_cfg:  # dilated: a 4 x 4 feature map at 32 px instead of 1 x 1
@@ -138,7 +138,7 @@ def test_local_weights_load_strictly_into_the_named_architecture(tmp_path, kind)
     path = tmp_path / ("weights.safetensors" if kind == "safetensors" else "weights.pt")
     save_weights(source, path, kind)
     target = tiny_model(num_classes=10, name="resnet10t")
-    models.load_weights(target, path, "teacher.weights")
+    checkpoints.load_weights(target, path, "teacher.weights")
     for key, value in source.state_dict().items():
         torch.testing.assert_close(target.state_dict()[key], value, rtol=0, atol=0)
 
@@ -148,17 +148,17 @@ def test_weights_that_do_not_fit_are_one_error_naming_the_file(tmp_path):
     save_weights(tiny_model(num_classes=1000, name="resnet10t"), path, "safetensors")
     # timm would silently re-initialise a head of another class count; here it is an error.
     with pytest.raises(UserError) as error:
-        models.load_weights(tiny_model(num_classes=10, name="resnet10t"), path, "teacher.weights")
+        checkpoints.load_weights(tiny_model(num_classes=10, name="resnet10t"), path, "teacher.weights")
     message = str(error.value)
     assert message.startswith(f"teacher.weights: {path} does not fit ResNet with 10 classes")
     assert "fc.weight (1000, 512) vs (10, 512)" in message and "\n" not in message
     with pytest.raises(UserError, match="missing .*unexpected"):  # another architecture altogether
-        models.load_weights(tiny_model(num_classes=1000, name="resnet18"), path, "teacher.weights")
+        checkpoints.load_weights(tiny_model(num_classes=1000, name="resnet18"), path, "teacher.weights")
     with pytest.raises(UserError, match="weights file not found"):
-        models.load_weights(tiny_model(name="resnet10t"), tmp_path / "nope.pt", "teacher.weights")
+        checkpoints.load_weights(tiny_model(name="resnet10t"), tmp_path / "nope.pt", "teacher.weights")
     (tmp_path / "garbage.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(UserError, match="garbage.pt: not a readable weights file"):
-        models.load_weights(tiny_model(name="resnet10t"), tmp_path / "garbage.pt", "teacher.weights")
+        checkpoints.load_weights(tiny_model(name="resnet10t"), tmp_path / "garbage.pt", "teacher.weights")
 
 
 def test_the_token_models_are_exactly_timms_volo_architectures():

@@ -235,7 +235,7 @@ def check_the_registered_model_predicts_as_evaluated(project: Project) -> None:
     """The pipeline's result under its alias, loaded by MLflow and by `coarse2fine.predict`, gives the top-1 the
     evaluate stage computes from the model file on the same val images (through the real val loader)."""
     import mlflow.pytorch
-    from coarse2fine import models
+    from coarse2fine import checkpoints
     from coarse2fine.data import records
     from coarse2fine.data.loaders import build_loader
     from coarse2fine.config import load_params
@@ -244,10 +244,10 @@ def check_the_registered_model_predicts_as_evaluated(project: Project) -> None:
     params = load_params(project.path / "params.yaml")
     uri = f"models:/{params.tracking.registered_model}@{params.tracking.candidate_alias}"
     model_file = project.path / "models/finetune/model.pt"
-    payload = models.read_model_file(model_file)
+    payload = checkpoints.read_model_file(model_file)
     version = project.mlflow().get_model_version_by_alias(params.tracking.registered_model, params.tracking.candidate_alias)
     assert version.run_id == stage_run(project, pipeline_runs(project)[-1], "finetune").info.run_id
-    evaluated = models.model_from_payload(payload, model_file)
+    evaluated = checkpoints.model_from_payload(payload, model_file)
     loader = build_loader(
         "val", project.path / "data/records", img_size=payload["img_size"], batch_size=8, runtime=cpu_runtime(),
         loader_cfg=params.loader, augment_cfg=params.augment, crop_pct=params.evaluate.finetune.crop_pct, seed=0,
@@ -273,14 +273,14 @@ def check_the_registered_model_predicts_as_evaluated(project: Project) -> None:
 def finetuned_top1_at(project: Project, img_size: int) -> float:
     """The fine-tuned model rebuilt at `img_size` (its position embedding resampled) on the whole val split through
     the real val loader: its top-1 %."""
-    from coarse2fine import models
+    from coarse2fine import checkpoints
     from coarse2fine.config import load_params
     from coarse2fine.data.loaders import build_loader
     from conftest import cpu_runtime
 
     params = load_params(project.path / "params.yaml")
     model_file = project.path / "models/finetune/model.pt"
-    model = models.model_from_payload(models.read_model_file(model_file), model_file, img_size=img_size).eval()
+    model = checkpoints.model_from_payload(checkpoints.read_model_file(model_file), model_file, img_size=img_size).eval()
     loader = build_loader(
         "val", project.path / "data/records", img_size=img_size, batch_size=64, runtime=cpu_runtime(),
         loader_cfg=params.loader, augment_cfg=params.augment, crop_pct=params.evaluate.finetune.crop_pct,

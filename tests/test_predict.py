@@ -17,7 +17,7 @@ from mlflow import MlflowClient
 from PIL import Image
 from torch import nn
 
-from coarse2fine import models, predict
+from coarse2fine import checkpoints, models, predict
 from coarse2fine.data import records
 from coarse2fine.data.loaders import build_loader
 from coarse2fine.data.transforms import eval_transform
@@ -67,7 +67,7 @@ def model_file(digits_records, tmp_path_factory) -> Path:
     )
     fit_head_by_least_squares(model, list(train_loader))
     path = tmp_path_factory.mktemp("model") / "model.pt"
-    models.save_model_file(
+    checkpoints.save_model_file(
         path, model, model_cfg=params.model, img_size=IMG_SIZE, classes=classes, stage="finetune",
         eval_transform=eval_transform(IMG_SIZE, CROP_PCT, INTERPOLATION),
     )
@@ -99,7 +99,7 @@ def top1_by_position(predictions: dict) -> list[str]:
 
 
 def test_predictions_are_the_models_on_the_val_loaders_images(model_file, val_images, digits_records):
-    model, card = models.load_model_file(model_file)
+    model, card = checkpoints.load_model_file(model_file)
     classes = card["classes"]
     predictions, unreadable = predicted(model_file, val_images)
 
@@ -165,7 +165,7 @@ def test_an_older_model_file_with_fewer_than_five_classes(digits_records, val_im
     torch.manual_seed(1)
     model = models.build_model(make_params().model, 3, IMG_SIZE).eval()
     path = tmp_path / "model.pt"
-    models.save_model_file(
+    checkpoints.save_model_file(
         path, model, model_cfg=make_params().model, img_size=IMG_SIZE, classes=["x", "y", "z"], stage="pretrain"
     )
 
@@ -235,7 +235,7 @@ def test_user_mistakes_are_one_error_line_and_exit_2(model_file, val_images, tmp
 def test_a_registered_mlflow_model_predicts_as_its_model_file(model_file, val_images, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     monkeypatch.chdir(tmp_path)
-    model, card = models.load_model_file(model_file)
+    model, card = checkpoints.load_model_file(model_file)
     params = make_params(tracking={"experiment": "predict", "log_models": True})
     tracker = Tracker("finetune", params, cpu_runtime(), metrics_dir=tmp_path / "metrics", param_sections=("model",))
     with tracker:

@@ -26,7 +26,7 @@ import pytest
 import torch
 from torch import nn
 
-from coarse2fine import distributed, models
+from coarse2fine import checkpoints, distributed, forward, models
 from coarse2fine.config import CustomVolo, Parallel, TimmModel
 from coarse2fine.data.transforms import IDENTITY_AFFINE
 from coarse2fine.distributed import Runtime
@@ -163,7 +163,7 @@ def test_a_micro_batch_s_token_targets_are_its_rows_of_the_batch_s_found_without
         torch.testing.assert_close(got.tokens, expected.tokens[rows], rtol=0, atol=0)
     part = train.micro_batch({key: value.to("meta") for key, value in batch.items()}, torch.arange(2, device="meta"))
     monkeypatch.setattr(torch, "autocast", lambda *args, **kwargs: contextlib.nullcontext())  # none for meta
-    output = models.TrainOutput(torch.zeros(2, 10, device="meta"), torch.zeros(2, 4, 10, device="meta"))
+    output = forward.TrainOutput(torch.zeros(2, 10, device="meta"), torch.zeros(2, 4, 10, device="meta"))
     objective = losses.TokenLabelObjective.from_params(10, make_params(pretrain=TRAIN).pretrain)  # the label mixed in
     assert objective.ground_truth_mix and objective.ground_truth_tokens
     assert objective(output, part).device.type == "meta"
@@ -229,7 +229,7 @@ def test_the_trainer_trains_under_tp_and_a_pipeline_as_in_one_process(ranks_out,
         _fit(cpu_runtime(), reference, Parallel(), tmp_path)
     for layout, reference in TRAINED.items():
         files = [out / name for out, name in ((ranks_out, layout), (tmp_path, reference))]
-        (model, _), (expected_model, _) = (models.load_model_file(out / "model.pt") for out in files)
+        (model, _), (expected_model, _) = (checkpoints.load_model_file(out / "model.pt") for out in files)
         torch.testing.assert_close(model.state_dict(), expected_model.state_dict(), rtol=0, atol=1e-5, msg=layout)
         metrics, expected = (json.loads((out / "metrics" / "metrics.json").read_text()) for out in files)
         assert metrics["val_top1"] == expected["val_top1"]
@@ -341,7 +341,7 @@ def _fit(runtime, layout: str, cfg: Parallel, out: Path) -> None:
     trainer().fit()
 
 
-def _loss(output: models.TrainOutput, labels: torch.Tensor) -> torch.Tensor:
+def _loss(output: forward.TrainOutput, labels: torch.Tensor) -> torch.Tensor:
     loss = nn.functional.cross_entropy(output.cls_logits, labels)
     if output.aux_logits is not None:  # VOLO's token logits, as token labeling trains them
         loss = loss + 0.5 * nn.functional.cross_entropy(output.aux_logits.mean(dim=1), labels)
@@ -354,7 +354,7 @@ def _run(runtime, layout: str, cfg: Parallel, family: str, out: Path) -> None:
     reference = copy.deepcopy(model)
     strategy = strategies.build(cfg, runtime, None)
     strategy.shard(model)
-    train_forward = strategy.wrap(models.TrainForward(model))
+    train_forward = strategy.wrap(forward.TrainForward(model))
     train_forward.train()
     reference.train()
     # SGD, at a small LR: VOLO's stem BatchNorm, on 8 images, turns 1e-7 float noise between the two models'
@@ -379,7 +379,7 @@ def _run(runtime, layout: str, cfg: Parallel, family: str, out: Path) -> None:
         reference_loss = 0.0
         for part in torch.arange(BATCH).tensor_split(dims.data):
             for rows in part.tensor_split(chunks):
-                micro = _loss(models.TrainForward(reference)(images[rows]), labels[rows]) / chunks
+                micro = _loss(forward.TrainForward(reference)(images[rows]), labels[rows]) / chunks
                 (micro / dims.data).backward()
                 reference_loss += micro.item() if torch.equal(part, mine) else 0.0
         assert len(mine) == share

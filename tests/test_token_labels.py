@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import cpu_runtime, make_params, train_val_loaders
 
-from coarse2fine import models
+from coarse2fine import forward, models
 from coarse2fine.config import Params, TeacherWeight
 from coarse2fine.data import records
 from coarse2fine.data.loaders import with_target_inputs
@@ -212,7 +212,7 @@ def test_token_label_loss_mixes_the_class_target_by_the_box_area():
     batch["affine"] = identity_for(batch)
     cls_logits = torch.randn(batch_size, classes_count, generator=generator)
     aux_logits = torch.randn(batch_size, 4, classes_count, generator=generator)
-    mixed = models.TrainOutput(cls_logits, aux_logits, mix_box=(0, 0, 1, 2))  # half the tokens: lam 0.5
+    mixed = forward.TrainOutput(cls_logits, aux_logits, mix_box=(0, 0, 1, 2))  # half the tokens: lam 0.5
 
     expected = token_targets(
         log_probs, classes, batch["window"], batch["flip"], batch["affine"], num_classes=3, token_grid=2, smoothing=0.1
@@ -223,7 +223,7 @@ def test_token_label_loss_mixes_the_class_target_by_the_box_area():
     )
     batch = with_store_rows(batch, log_probs, classes)
     torch.testing.assert_close(objective(mixed, batch), manual)
-    unmixed = objective(models.TrainOutput(cls_logits, aux_logits), batch)
+    unmixed = objective(forward.TrainOutput(cls_logits, aux_logits), batch)
     assert not torch.isclose(unmixed, manual)
 
     # What it taught over both calls, as trained: the mixed class target first, then the unmixed one.
@@ -280,7 +280,7 @@ def test_mix_token_mixes_each_class_target_with_its_flipped_partner_by_the_share
         aux_logits, expected.tokens
     )
     objective = losses.TokenLabelObjective(4, label_smoothing=0.1, dense_weight=0.5)
-    output = models.TrainOutput(cls_logits, aux_logits, mix_box=MIX_BOX)
+    output = forward.TrainOutput(cls_logits, aux_logits, mix_box=MIX_BOX)
     torch.testing.assert_close(objective(output, with_store_rows(batch, log_probs, classes)), manual)
 
 
@@ -304,7 +304,7 @@ def test_label_mixing_comes_before_mix_token_as_in_the_reference():
     objective = losses.TokenLabelObjective(
         4, label_smoothing=0.1, ground_truth_mix=True, teacher_weight=REFERENCE_WEIGHT
     )
-    output = models.TrainOutput(cls_logits, aux_logits, mix_box=MIX_BOX)
+    output = forward.TrainOutput(cls_logits, aux_logits, mix_box=MIX_BOX)
     torch.testing.assert_close(objective(output, with_store_rows(batch, log_probs, classes)), manual)
 
 
@@ -347,7 +347,7 @@ def test_the_objective_mixes_the_ground_truth_into_the_targets_it_is_asked_to(gr
         "window": torch.tensor([[0.0, 0.0, 1.0, 1.0], [0.0, 0.25, 1.0, 0.5]]), "flip": torch.tensor([False, False]),
     }
     batch["affine"] = identity_for(batch)
-    output = models.TrainOutput(torch.randn(2, 3, generator=generator), torch.randn(2, 4, 3, generator=generator))
+    output = forward.TrainOutput(torch.randn(2, 3, generator=generator), torch.randn(2, 4, 3, generator=generator))
     expected = token_targets(
         log_probs, classes, batch["window"], batch["flip"], batch["affine"], num_classes=3, token_grid=2, smoothing=0.1
     )
@@ -380,7 +380,7 @@ def test_the_token_label_loss_reads_no_tensor_value_so_a_gpu_step_never_waits(mo
         "token_classes": torch.zeros(batch_size, top_k, grid, grid, dtype=torch.int16),
         "moved": moved_rows(affine),
     }
-    output = models.TrainOutput(
+    output = forward.TrainOutput(
         torch.randn(batch_size, classes_count, device=meta), torch.randn(batch_size, 4, classes_count, device=meta),
         mix_box=(0, 0, 1, 2),
     )
@@ -436,8 +436,8 @@ def test_the_training_forward_mixes_tokens_only_when_the_model_is_built_with_mix
     torch.manual_seed(0)
 
     def boxes(mix_token: bool) -> list[tuple[int, int, int, int]]:
-        forward = models.TrainForward(models.build_model(params.model, 10, 64, mix_token=mix_token).train())
-        return [forward(torch.randn(4, 3, 64, 64)).mix_box for _ in range(8)]
+        train_forward = forward.TrainForward(models.build_model(params.model, 10, 64, mix_token=mix_token).train())
+        return [train_forward(torch.randn(4, 3, 64, 64)).mix_box for _ in range(8)]
 
     mixed = boxes(mix_token=True)
     assert any(losses.mix_token_lam(box, token_grid=4) < 1 for box in mixed)

@@ -24,7 +24,7 @@ from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 from mlflow.utils.mlflow_tags import MLFLOW_GIT_COMMIT, MLFLOW_PARENT_RUN_ID
 
-from coarse2fine import models
+from coarse2fine import checkpoints, models
 from coarse2fine.config import flatten, parse_params
 from coarse2fine.data import records
 from coarse2fine.data.convert import convert
@@ -293,7 +293,7 @@ def test_a_training_run_holds_its_datasets_curves_and_model_and_the_result_is_re
             tracker.log_records(digits_records, split)
         for epoch in range(3):
             tracker.log_metrics({"train_loss": 1 / (epoch + 1), "val_top1": 30.0 * epoch, "lr": 1e-3}, step=epoch)
-        card = models.save_model_file(
+        card = checkpoints.save_model_file(
             workdir / "model.pt", model, model_cfg=params.model, img_size=16, classes=list("0123456789"),
             stage="finetune", eval_transform=eval_transform(16, 0.875, "bicubic"),
         )
@@ -366,7 +366,7 @@ def test_the_champion_moves_only_to_a_better_full_data_result_or_by_promotion(
         model = models.build_model(params.model, 10, 16)
         with Tracker("finetune", params, cpu_runtime(), metrics_dir=workdir / f"f{seed}",
                      param_sections=("seed",)) as tracker:
-            card = models.save_model_file(
+            card = checkpoints.save_model_file(
                 workdir / f"model{seed}.pt", model, model_cfg=params.model, img_size=16, classes=list("0123456789"),
                 stage="finetune", eval_transform=eval_transform(16, 0.875, "bicubic"),
             )

@@ -551,7 +551,7 @@ def test_ddp_ranks_end_with_identical_weights(digits_records, tmp_path, variant)
 
 @pytest.mark.slow
 def test_a_compiled_fsdp_stage_trains_and_writes_its_model(digits_records, tmp_path):
-    """FSDP2 and `compile` together: a sharded VOLO cannot be viewed by its block groups (models.compiled_train_forward),
+    """FSDP2 and `compile` together: a sharded VOLO cannot be viewed by its block groups (forward.compiled_train_forward),
     so it is compiled whole; building that view crashed the Trainer. The weights compared are each rank's gathered
     copy (`Trainer.eval_model`)."""
     train_two_ranks(digits_records, tmp_path, "compiled-fsdp")

@@ -6,3 +6,9 @@ Stages print a UserError as one line and exit with code 2; anything else is a bu
 
 class UserError(Exception):
     """A problem the user can fix; the message names the key, file or value at fault."""
+
+
+def first_line(error: Exception) -> str:
+    """An exception's message, its first line only: what a one-line error quotes of a library's."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else "no details"

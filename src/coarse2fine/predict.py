@@ -22,7 +22,7 @@ from typing import Any, Iterable, Iterator, Sequence
 import torch
 from PIL import Image, UnidentifiedImageError
 
-from coarse2fine import cli, distributed, models
+from coarse2fine import checkpoints, cli, distributed
 from coarse2fine.data.convert import DECODE_ERRORS, on_white_rgb
 from coarse2fine.data.transforms import IMAGE_MEAN, IMAGE_STD, eval_transform
 from coarse2fine.data.torch_backend import to_normalised_tensor, val_resize_and_crop
@@ -70,8 +70,8 @@ class Predictor:
             self.model, card = load_logged_model(model_ref, device)  # torch.export's module: already in eval mode
             spec = card["eval_transform"]
         else:
-            card = models.read_model_file(model_ref, device)
-            self.model = models.model_from_payload(card, model_ref, device)
+            card = checkpoints.read_model_file(model_ref, device)
+            self.model = checkpoints.model_from_payload(card, model_ref, device)
             spec = card.get("eval_transform") or _assumed_eval_transform(model_ref, card["img_size"])
         self.classes: list[str] = card["classes"]
         self.transform = EvalTransform(spec, model_ref)

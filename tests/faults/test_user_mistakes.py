@@ -18,7 +18,7 @@ import torch
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from coarse2fine import cli, launch, models
+from coarse2fine import checkpoints, cli, launch, models
 from coarse2fine.config import CustomVolo, TimmModel
 from coarse2fine.labels.store import CLASSES_FILE, write_store
 from conftest import Project
@@ -45,7 +45,7 @@ def pretrained_model(project: Project, classes: list[str]) -> None:
     """An untrained tiny VOLO over `classes` as models/pretrain/model.pt."""
     model_cfg = CustomVolo()
     model = models.build_model(model_cfg, num_classes=len(classes), img_size=32)
-    models.save_model_file(
+    checkpoints.save_model_file(
         project.path / "models/pretrain/model.pt", model, model_cfg=model_cfg, img_size=32, classes=classes,
         stage="pretrain",
     )
@@ -60,7 +60,7 @@ def teacher_file(project: Project, classes: list[str], num_classes: int | None =
     model_cfg = TimmModel(name="resnet10t", output_stride=8)
     model = models.build_model(model_cfg, num_classes=num_classes or len(classes), img_size=32)
     path = project.path / "models/teacher/model.pt"
-    models.save_model_file(path, model, model_cfg=model_cfg, img_size=32, classes=classes, stage="teacher")
+    checkpoints.save_model_file(path, model, model_cfg=model_cfg, img_size=32, classes=classes, stage="teacher")
     return path
 
 
@@ -77,7 +77,7 @@ def wider_pretrained_model(project: Project) -> dict:
     """models/pretrain/model.pt of a VOLO wider than params' model: finetune must refuse to start from it."""
     wider = CustomVolo(embed_dims=(64, 128, 128, 256), num_heads=(2, 4, 4, 8))
     path = project.path / "models/pretrain/model.pt"
-    models.save_model_file(path, models.build_model(wider, 10, 32), model_cfg=wider, img_size=32, classes=DIGITS,
+    checkpoints.save_model_file(path, models.build_model(wider, 10, 32), model_cfg=wider, img_size=32, classes=DIGITS,
                            stage="pretrain")
     return {"finetune": GROUND_TRUTH}
 

@@ -40,7 +40,7 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 import torch
 
-from coarse2fine import distributed, models
+from coarse2fine import checkpoints, distributed
 from coarse2fine.data import records
 from coarse2fine.distributed import Runtime
 from coarse2fine.errors import UserError
@@ -64,7 +64,7 @@ def label_file(import_dir: Path, record_path: str) -> Path:
 def read_label_file(path: Path, image: str, *, num_classes: int, top_k: int, grid: int | None) -> torch.Tensor:
     """The [2, k, s, s] float16 tensor of `path` (the labels of train image `image`), checked: k = top_k, s = grid
     (when given), finite scores, integral class indices in [0, num_classes), no class twice in a cell."""
-    tensor = models.load_file(path, f"label file of train image {image}")
+    tensor = checkpoints.load_file(path, f"label file of train image {image}")
     expected = f"[2, {top_k}, {grid or 's'}, {grid or 's'}]"
     if not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.float16:
         kind = f"a {tensor.dtype} tensor" if isinstance(tensor, torch.Tensor) else f"a {type(tensor).__name__}"

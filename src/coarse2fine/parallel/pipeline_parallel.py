@@ -70,7 +70,7 @@ def keep_stage(model: nn.Module, stage: int, parts: dict[str, int]) -> None:
 
 
 class StageForward(nn.Module):
-    """One stage's share of the training forward (models.TrainForward's): the stem on the first stage, its blocks,
+    """One stage's share of the training forward (forward.TrainForward's): the stem on the first stage, its blocks,
     the heads on the last, which returns (class logits, token logits) for a VOLO and the logits otherwise."""
 
     def __init__(self, model: nn.Module, stage: int, parts: dict[str, int]):

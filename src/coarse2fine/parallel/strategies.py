@@ -210,7 +210,7 @@ class FullyShard:
         for block in model_blocks.blocks(model):
             fully_shard(block, mesh=data_mesh, mp_policy=policy, shard_placement_fn=placement)
         fully_shard(root, mesh=data_mesh, mp_policy=policy, shard_placement_fn=placement)
-        if root is model and hasattr(model, "forward_train"):  # VOLO's training forward (models.TrainForward)
+        if root is model and hasattr(model, "forward_train"):  # VOLO's training forward (forward.TrainForward)
             register_fsdp_forward_method(model, "forward_train")  # gathers as forward does
 
     def _data_group(self) -> tuple[Any, int]:
@@ -338,7 +338,7 @@ class Pipelined(FullyShard):
         self._parallelize(model, self.stage_forward)
 
     def wrap(self, train_forward: nn.Module) -> nn.Module:
-        """The schedule around this stage (`train_forward`, the Trainer's models.TrainForward, is replaced by the
+        """The schedule around this stage (`train_forward`, the Trainer's forward.TrainForward, is replaced by the
         stage's share of it)."""
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
@@ -357,7 +357,7 @@ class Pipelined(FullyShard):
         """The schedule's step: the first stage feeds the images, the last computes each micro-batch's loss on its
         rows of the batch (the schedule splits a row-index target as it splits the images). The mean loss is sent
         from the last stage to the others, whose metrics and checks need it too."""
-        from coarse2fine.models import TrainOutput
+        from coarse2fine.forward import TrainOutput
 
         losses = []
         # The schedule's first step infers the shapes of the gradients between stages by a backward from the loss

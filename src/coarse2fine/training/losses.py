@@ -23,7 +23,7 @@ from timm.loss import SoftTargetCrossEntropy
 
 from coarse2fine import config
 from coarse2fine.labels.targets import entropy, smooth, token_targets
-from coarse2fine.models import TrainOutput
+from coarse2fine.forward import TrainOutput
 
 
 # Mean over every leading dimension (samples, and tokens for [B, N, C]) of -sum(target * log_softmax(logits)).

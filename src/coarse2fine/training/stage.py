@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from coarse2fine import config, distributed, models, provenance
+from coarse2fine import checkpoints, config, distributed, models, provenance
 from coarse2fine.data import records
 from coarse2fine.data.loaders import build_loader, Loader
 from coarse2fine.files import file_sha256
@@ -74,7 +74,7 @@ def _train_stage(
             notes += weights.start_from_weights(stage, cfg, model)
             inputs |= weights.weights_digest(cfg)
         elif paths.init_from is not None:
-            notes += models.init_from_model_file(model, model_cfg, paths.init_from).lines(paths.init_from)
+            notes += checkpoints.init_from_model_file(model, model_cfg, paths.init_from).lines(paths.init_from)
             inputs["init_digest"] = file_sha256(paths.init_from)
         if labels is not None:
             grid = model_cfg.token_grid(cfg.img_size)

@@ -58,7 +58,7 @@ from timm.scheduler.scheduler import Scheduler
 from timm.utils import ModelEmaV3
 from torch import nn
 
-from coarse2fine import config, distributed, files, models
+from coarse2fine import checkpoints, config, distributed, files, forward
 from coarse2fine.data import records
 from coarse2fine.data.transforms import eval_transform
 from coarse2fine.distributed import Runtime
@@ -95,7 +95,7 @@ class Objective(Protocol):
     losses.py)."""
 
     def prepare(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
-    def __call__(self, output: models.TrainOutput, batch: dict[str, torch.Tensor]) -> torch.Tensor: ...
+    def __call__(self, output: forward.TrainOutput, batch: dict[str, torch.Tensor]) -> torch.Tensor: ...
     def target_metrics(self, all_reduce_sum: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, float]:
         """What the targets taught since the last call, summed over every rank by `all_reduce_sum` (e.g. their
         entropy); {} for none. A collective: every rank calls it."""
@@ -298,8 +298,8 @@ class Trainer:
         self.parallel = strategies.build(params.parallel, runtime, self.autocast_dtype)
         self.model = runtime.place(model)
         self.parallel.shard(self.model)
-        # Only the training forward is compiled (models.compiled_train_forward).
-        train_forward = models.compiled_train_forward(self.model) if cfg.compile else models.TrainForward(self.model)
+        # Only the training forward is compiled (forward.compiled_train_forward).
+        train_forward = forward.compiled_train_forward(self.model) if cfg.compile else forward.TrainForward(self.model)
         self.train_forward = self.parallel.wrap(train_forward)
 
         self.data_ranks = self.parallel.dims.data  # the ranks reading distinct batches
@@ -376,10 +376,10 @@ class Trainer:
             if self.runtime.is_main:
                 if self.cfg.keep == "best" and self.history:
                     best = best_epoch(self.history)
-                    final.load_state_dict(models.load_file(self.best_path, "the best epoch's weights"))
+                    final.load_state_dict(checkpoints.load_file(self.best_path, "the best epoch's weights"))
                     self._print(f"keeps epoch {best['best_epoch']}'s weights (val top-1 {best['best_val_top1']:.2f} %, "
                                 f"the best; the last epoch's {self.history[-1]['val_top1']:.2f} %)")
-                card = models.save_model_file(
+                card = checkpoints.save_model_file(
                     self.model_file, final,
                     model_cfg=self.model_cfg, img_size=self.cfg.img_size, classes=self.classes, stage=self.stage,
                     eval_transform=eval_transform(
@@ -504,7 +504,7 @@ class Trainer:
             dtype = self.autocast_dtype
             batch = self.objective.prepare(batch)
 
-            def loss_of(output: models.TrainOutput, rows: torch.Tensor | None) -> torch.Tensor:
+            def loss_of(output: forward.TrainOutput, rows: torch.Tensor | None) -> torch.Tensor:
                 loss = self.objective(output, batch if rows is None else micro_batch(batch, rows))
                 return loss * float("nan") if poisoned else loss
 
@@ -555,7 +555,7 @@ class Trainer:
         self.last_checkpoint = self._describe_checkpoint(epochs_done, within_epoch)
         if not self.runtime.is_main:
             return
-        models.atomic_save(
+        checkpoints.atomic_save(
             {
                 "epoch": epochs_done,
                 "within_epoch": {**progress[0], "ranks": progress} if progress else None,
@@ -577,7 +577,7 @@ class Trainer:
         writes BEST_FILE."""
         state = self.eval_model.state_dict()
         if self.runtime.is_main:
-            models.atomic_save(state, self.best_path)
+            checkpoints.atomic_save(state, self.best_path)
 
     def _describe_checkpoint(self, epoch: int, within_epoch: EpochProgress | None) -> str:
         """For messages: "epoch 3's end", "epoch 4, batch 120 of 500"."""
@@ -592,7 +592,7 @@ class Trainer:
         attempt = 1
         while True:
             try:
-                return models.load_file(self.checkpoint_path, "checkpoint")
+                return checkpoints.load_file(self.checkpoint_path, "checkpoint")
             except UserError as error:
                 raise UserError(f"{error}; delete it to start afresh") from None
             except OSError as error:

@@ -3,7 +3,7 @@
 `import_model` is `<stage>.mode: import`: the stage's model is the weights file, evaluated on the val records and
 written as the model file a trained one would be (the same card), without training. `start_from_weights` is
 `<stage>.init_weights`: training starts from the file instead of a random init. Both read the file with
-`models.load_weights` (safetensors, a state dict or a training checkpoint, weights_only; never a download).
+`checkpoints.load_weights` (safetensors, a state dict or a training checkpoint, weights_only; never a download).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Sequence
 
 from torch import nn
 
-from coarse2fine import config, models
+from coarse2fine import checkpoints, config
 from coarse2fine.data.loaders import Loader
 from coarse2fine.data.transforms import IMAGE_MEAN, IMAGE_STD, eval_transform
 from coarse2fine.distributed import Runtime
@@ -27,7 +27,7 @@ def start_from_weights(stage: str, cfg: config.Train, model: nn.Module) -> list[
     resampled) and return what was done, as lines to print."""
     what = f"{stage}.init_weights"
     path = project_path(cfg.init_weights)
-    report = models.load_weights(model, path, what, new_classes=True, use_ema=cfg.weights_ema)
+    report = checkpoints.load_weights(model, path, what, new_classes=True, use_ema=cfg.weights_ema)
     return [f"{what}: {line}" for line in report.lines(path)]
 
 
@@ -46,7 +46,7 @@ def import_model(
     embedding is resampled), evaluate it, and write the stage's model file, metrics and MLflow run."""
     what = f"{stage}.weights"
     path = project_path(cfg.weights)
-    notes = models.load_weights(model, path, what, use_ema=cfg.weights_ema).lines(path)
+    notes = checkpoints.load_weights(model, path, what, use_ema=cfg.weights_ema).lines(path)
     expected = getattr(model, "pretrained_cfg", {})
     if (expected.get("mean", IMAGE_MEAN), expected.get("std", IMAGE_STD)) != (IMAGE_MEAN, IMAGE_STD):
         notes.append(
@@ -64,7 +64,7 @@ def import_model(
         # One point of the curves a trained model logs per epoch, so both modes fill the same metrics and plots.
         tracker.log_metrics({"val_top1": result.top1, "val_top5": result.top5, "val_loss": result.loss}, step=0)
         if runtime.is_main:
-            card = models.save_model_file(
+            card = checkpoints.save_model_file(
                 model_file, model, model_cfg=model_cfg, img_size=cfg.img_size, classes=classes, stage=stage,
                 eval_transform=eval_transform(cfg.img_size, cfg.val_crop_pct, params.augment.interpolation),
             )

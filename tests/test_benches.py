@@ -582,10 +582,25 @@ def test_eval_transform_tiny_compares_dali_with_timm_pixel_by_pixel_and_by_top1(
     params = make_params()
     model = models.build_model(params.model, num_classes=10, img_size=32)
     checkpoints.save_model_file(tmp_path / "model.pt", model, model_cfg=params.model, img_size=32,
-                           classes=[str(k) for k in range(10)], stage="finetune",
-                           eval_transform=eval_transform(32, 1.0, "bicubic"))
+                                classes=[str(k) for k in range(10)], stage="finetune",
+                                eval_transform=eval_transform(32, 1.0, "bicubic"))
     report = run_bench("eval_transform", "--tiny", "--records", str(digits_records), "--model", str(tmp_path / "model.pt"))
     (pixels,) = first_table(report)
     assert pixels[:2] == ["16", "32 px, crop_pct 1"] and pixels[2:] == ["0.00", "0 / 0 / 0"], pixels
     (top1,) = first_table(report.split("model.pt:")[1])
     assert top1[0] == top1[1] and top1[2:] == ["+0.00", "0.00 %"], top1
+
+
+@pytest.mark.slow
+def test_cpu_dispatch_tiny_trains_the_teacher_under_each_setting_in_a_copy_of_its_own(tmp_path) -> None:
+    """bench/cpu_dispatch.py --tiny: the teacher of the digits under the native kernels and under the baseline ones,
+    each in a project copy of its own; both convert the same records (the JPEGs do not depend on the kernels)."""
+    report = run_bench("cpu_dispatch", "--tiny", "--workdir", str(tmp_path))
+    rows = first_table(report)
+    assert [row[0] for row in rows] == ["native", "baseline"], rows
+    assert rows[0][1] == "(as installed)" and rows[1][1] == "ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=SSE41 MKL_CBWR=COMPATIBLE"
+    assert rows[0][2].endswith(" (same)") and rows[1][2] == rows[0][2], rows
+    assert_cells(rows[:1], r".+", r".+", rf"{NUMBER} / {NUMBER} / 0", r"\d+ \(1\.00x\)")  # the reference
+    assert_cells(rows[1:], r".+", r".+", rf"{NUMBER} / {NUMBER} / {NUMBER}(e-\d+)?", rf"\d+ \({RATIO}\)")
+    for setting in ("native", "baseline"):
+        assert (tmp_path / setting / "models" / "teacher" / "model.pt").is_file()

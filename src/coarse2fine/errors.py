@@ -8,7 +8,8 @@ class UserError(Exception):
     """A problem the user can fix; the message names the key, file or value at fault."""
 
 
-def first_line(error: Exception) -> str:
-    """An exception's message, its first line only: what a one-line error quotes of a library's."""
+def first_line(error: BaseException) -> str:
+    """An exception's message, its first line (at most 300 characters; its type's name when it has none): what a
+    one-line error or warning quotes of a library's."""
     text = str(error).strip()
-    return text.splitlines()[0] if text else "no details"
+    return text.splitlines()[0][:300] if text else type(error).__name__

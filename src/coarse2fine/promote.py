@@ -42,7 +42,8 @@ def promote(params_file: str, version: str) -> str:
 
     from coarse2fine.tracking.identity import sqlite_database, tracking_uri
     from coarse2fine.tracking.lineage import promote as move_alias
-    from coarse2fine.tracking.mlflow_store import first_line, opened_store
+    from coarse2fine.errors import first_line
+    from coarse2fine.tracking.mlflow_store import opened_store
 
     uri = tracking_uri()
     database = sqlite_database(uri)

@@ -16,11 +16,12 @@ from mlflow.exceptions import MlflowException
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_SOURCE_NAME, MLFLOW_SOURCE_TYPE
 
 from coarse2fine.config import Params
+from coarse2fine.errors import first_line
 from coarse2fine.tracking.identity import (
     CACHED_FROM_TAG, MODEL_ID_TAG, OUTPUTS_TAG, REGISTERED_TAG, RESULT_STAGE, STAGE_TAG, outputs_digest, tracking_uri,
 )
 from coarse2fine.tracking.mlflow_store import (
-    MAX_METRICS_PER_BATCH, first_line, log_param_batches, opened_store, pipeline_run, refuse_unusable_server,
+    MAX_METRICS_PER_BATCH, log_param_batches, opened_store, pipeline_run, refuse_unusable_server,
 )
 
 logger = logging.getLogger(__name__)

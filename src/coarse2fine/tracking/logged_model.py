@@ -16,7 +16,7 @@ from torch import nn
 
 from coarse2fine.errors import UserError
 from coarse2fine.tracking.identity import sqlite_database, tracking_uri
-from coarse2fine.tracking.mlflow_store import first_line
+from coarse2fine.errors import first_line
 
 logger = logging.getLogger(__name__)
 

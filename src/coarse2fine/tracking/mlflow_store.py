@@ -16,7 +16,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.utils.mlflow_tags import MLFLOW_SOURCE_NAME, MLFLOW_SOURCE_TYPE
 
 from coarse2fine.config import Params, flatten
-from coarse2fine.errors import UserError
+from coarse2fine.errors import UserError, first_line
 from coarse2fine.files import atomic_path
 from coarse2fine.tracking.identity import (
     DVC_EXPERIMENT_TAG, PIPELINE_KEY_TAG, PIPELINE_STAGE, STAGE_TAG, run_tags, sqlite_database,
@@ -146,8 +146,3 @@ def refuse_unusable_server(uri: str, error: BaseException) -> None:
         problem = (f"cannot be reached ({reason.group(1) if reason else first_line(error)}): start it (make server), "
                    "or unset MLFLOW_TRACKING_URI to track to ./mlflow.db")
     raise UserError(f"MLFLOW_TRACKING_URI {uri}: the tracking server {problem}") from None
-
-
-def first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0][:300] if text else type(error).__name__

@@ -19,6 +19,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from coarse2fine.errors import first_line
+
 logger = logging.getLogger(__name__)
 FIRST_RETRY_SECONDS, MAX_RETRY_SECONDS = 5.0, 60.0
 MAX_WRITES = 10_000
@@ -96,9 +98,8 @@ class Outbox:
 
     def _went(self, error: BaseException) -> None:
         if not self._waiting:
-            first = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
             logger.warning("warning: MLflow at %s is not reachable (%s): its writes wait (up to %d) and are retried "
-                           "every %g-%g s", self._where, first, MAX_WRITES, FIRST_RETRY_SECONDS, MAX_RETRY_SECONDS)
+                           "every %g-%g s", self._where, first_line(error), MAX_WRITES, FIRST_RETRY_SECONDS, MAX_RETRY_SECONDS)
         self._back_off()
 
     def _back_off(self) -> None:

@@ -25,7 +25,7 @@ from coarse2fine import report
 from coarse2fine.config import Params
 from coarse2fine.data import records
 from coarse2fine.distributed import Runtime, broadcast_object
-from coarse2fine.errors import UserError
+from coarse2fine.errors import UserError, first_line
 from coarse2fine.files import file_sha256
 from coarse2fine.tracking.identity import (
     MODEL_EVALUATED_TAG, MODEL_ID_TAG, MODEL_MADE_BY_TAG, MODEL_WRITTEN_TAG, OUTPUTS_TAG, REPLACED_BY_TAG, STAGE_TAG,
@@ -34,7 +34,7 @@ from coarse2fine.tracking.identity import (
 from coarse2fine.tracking.live import FileOnlyLive
 from coarse2fine.tracking.logged_model import log_model
 from coarse2fine.tracking.mlflow_store import (
-    first_line, log_param_batches, log_resolved_params, opened_store, pipeline_run, refuse_unusable_server,
+    log_param_batches, log_resolved_params, opened_store, pipeline_run, refuse_unusable_server,
 )
 from coarse2fine.tracking.outbox import Outbox
 

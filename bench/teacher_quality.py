@@ -20,8 +20,8 @@ KEY=VALUE ...` gives every arm more params (e.g. augment.hflip=0.5, as the held-
 Each seed is its own project copy (the seed draws the photo patches, the split and the training), so the teacher
 runs once per quality and seed and DVC's run cache gives its token labels to every arm. Per quality: the teacher's
 val top-1, its dense top-1 on the train images and its cells' (the token_labels stage's metrics); per arm: the
-pre-trained student at 48 px (its own) and 64 px, the fine-tuned one at 64 px; the mean over seeds, and the
-recipe's gap to ground truth.
+pre-trained student at 48 px (its own) and 64 px, the fine-tuned one at 64 px; the mean over seeds, and each
+arm's gap to ground truth: the mean of its per-seed differences, with their standard error from two seeds on.
 
 Run: python bench/teacher_quality.py [--seeds 0 1] [--teacher-epochs 30 8 4 3] [--arms ...] [--data-root DIR]
 [--set KEY=VALUE ...] [--workdir DIR]
@@ -184,7 +184,7 @@ def report(runs: list[dict], args: argparse.Namespace) -> str:
                 continue
             cells = [mean([run["students"][column] for run in chosen]) for column in columns]
             gaps = [  # against ground truth at the same seeds
-                f"{statistics.fmean(run['students'][column] - truth[column][run['seed']] for run in chosen):+.2f}"
+                paired_gap([run["students"][column] - truth[column][run["seed"]] for run in chosen])
                 if all(run["seed"] in truth[column] for run in chosen) else "-" for column in columns
             ]
             rows.append([str(epochs), teacher, arm, *cells, " / ".join(gaps)])
@@ -197,8 +197,18 @@ def report(runs: list[dict], args: argparse.Namespace) -> str:
         "(per seed, in that order)",
         "",
         markdown_table(["teacher epochs", "teacher val / dense train / cells top-1 %", "targets", *columns,
-                        "gap to ground truth (pretrain @48 / @64 / finetune)"], rows),
+                        "gap to ground truth (pretrain @48 / @64 / finetune) ± its standard error"], rows),
     ])
+
+
+def paired_gap(differences: list[float]) -> str:
+    """The mean of an arm's per-seed differences to ground truth, and from two seeds on the standard error of that
+    mean (their sample sd / sqrt(seeds)): each seed's pair shares its data, split and teacher, so the pairs' spread
+    is what the mean is uncertain by, not the spread of either arm's own figures."""
+    mean = f"{statistics.fmean(differences):+.2f}"
+    if len(differences) < 2:
+        return mean
+    return f"{mean} ± {statistics.stdev(differences) / len(differences) ** 0.5:.2f}"
 
 
 def data_line(args: argparse.Namespace) -> str:

@@ -306,6 +306,24 @@ def test_teacher_quality_tiny_reports_each_arm_and_the_recipe_s_gap_to_ground_tr
     assert rows["recipe"][6] == " / ".join(f"{mine - theirs:+.2f}" for mine, theirs in zip(recipe, truth))
 
 
+def test_teacher_quality_gap_is_the_mean_of_paired_differences_with_their_standard_error(tmp_path: Path) -> None:
+    # Three seeds whose arms both swing by seed: the pairs' differences are +2, +4, +3 (mean +3, sd 1, so the
+    # standard error 1 / sqrt(3) = 0.58), though either arm's own figures spread by 10 points.
+    truth, recipe = [70.0, 80.0, 90.0], [72.0, 84.0, 93.0]
+    columns = ("pretrain @48", "pretrain @64", "finetune @64")
+    runs = [
+        {"seed": seed, "teacher_epochs": 30, "arm": arm, "student_epochs": None,
+         "students": dict.fromkeys(columns, values[seed]),
+         **({"teacher": {"val_top1": 80.0, "dense_top1": 99.0, "cell_top1": 90.0}} if arm == "recipe" else {})}
+        for seed in range(3) for arm, values in (("ground truth", truth), ("recipe", recipe))
+    ]
+    (tmp_path / "runs.json").write_text(json.dumps({"runs": runs}))
+    report = run_bench("teacher_quality", "--report-from", str(tmp_path / "runs.json"), "--results", str(tmp_path))
+    rows = {row[2]: row for row in first_table(report)}
+    assert rows["recipe"][3] == "83.00 (72.00 / 84.00 / 93.00)"
+    assert rows["recipe"][6] == " / ".join(["+3.00 ± 0.58"] * 3)
+
+
 def experiment_metrics(project: Path) -> dict[str, dict[str, dict]]:
     """experiment name -> metrics file -> its values, as `dvc exp show` has them in the DVC project `project`."""
     shown = json.loads(subprocess.run([sys.executable, "-m", "dvc", "exp", "show", "--json"], cwd=project, capture_output=True, text=True,

@@ -324,6 +324,18 @@ def test_teacher_quality_gap_is_the_mean_of_paired_differences_with_their_standa
     assert rows["recipe"][6] == " / ".join(["+3.00 ± 0.58"] * 3)
 
 
+def test_mix_token_box_tiny_draws_each_model_s_box_on_its_pooled_token_grid(tmp_path: Path) -> None:
+    report = run_bench("mix_token_box", "--tiny", "--results", str(tmp_path))
+    rows = first_table(report)
+    # The students at params.yaml's 48 and 64 px (stem stride 4), the reference's VOLO-D1 at 224 and 384 (stride 8):
+    # the box is drawn on the stem's grid halved (VOLO's pooling scale).
+    assert [row[1:4] for row in rows] == [["48", "12 x 12", "6 x 6"], ["64", "16 x 16", "8 x 8"],
+                                          ["224", "28 x 28", "14 x 14"], ["384", "48 x 48", "24 x 24"]]
+    assert_cells(rows, r"\d+", r"\d+ x \d+", r"\d+ x \d+", *[r"0\.\d{3}"] * 3, r"\d+\.\d")
+    for row in rows:  # lam ~ Beta(1, 1) swaps a quarter to a third of the crop on average at every grid
+        assert 0.15 < float(row[4]) < 0.4, row
+
+
 def experiment_metrics(project: Path) -> dict[str, dict[str, dict]]:
     """experiment name -> metrics file -> its values, as `dvc exp show` has them in the DVC project `project`."""
     shown = json.loads(subprocess.run([sys.executable, "-m", "dvc", "exp", "show", "--json"], cwd=project, capture_output=True, text=True,

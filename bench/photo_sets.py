@@ -10,7 +10,7 @@ that no train patch touches; a fifth of the patches, drawn at random, are writte
 ImageNet holds some grey photos. Photographs only: drawings, renders and gradients the packages also ship are
 left out (each set names what it leaves out).
 
-Run: python bench/photo_sets.py [--sets lomiri mate-nature] [--out data/photo_sets] [--seed 0]
+Run: python bench/photo_sets.py [--sets lomiri mate-nature plasma] [--out data/photo_sets] [--seed 0]
 Writes <out>/<set>/{train,val}/<photo>/NNNN.png and <out>/<set>.json (the package, its version, each photo's
 sha256). data/photo_sets/ is ignored by git and DVC. --tiny: 2 photos of the first set, 3 + 1 patches each.
 """
@@ -66,7 +66,7 @@ SETS = {
         "MATE's nature backgrounds: close-ups of leaves, grass, flowers, water and sky, several alike in colour "
         "(the folders abstract/ and desktop/ are drawings)",
     ),
-    # The confirmation set: built only once a fix has been chosen on the two above.
+    # The confirmation set (issue 56): built only once the choice was made on the two above (keep the defaults).
     "plasma": PhotoSet(
         "plasma-workspace-wallpapers", "4:5.27.5-2",
         {name.lower(): f"usr/share/wallpapers/{name}/contents/images/{size}.jpg" for name, size in (
@@ -84,8 +84,8 @@ SETS = {
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sets", nargs="+", choices=list(SETS), default=["lomiri", "mate-nature"], metavar="NAME",
-                        help=f"of: {', '.join(SETS)} (default: lomiri mate-nature; plasma confirms a chosen fix)")
+    parser.add_argument("--sets", nargs="+", choices=list(SETS), default=list(SETS), metavar="NAME",
+                        help=f"of: {', '.join(SETS)} (default: all)")
     parser.add_argument("--out", type=Path, default=Path("data/photo_sets"))
     parser.add_argument("--seed", type=int, default=0, help="draws the patches, the held-out blocks and the grey ones")
     parser.add_argument("--tiny", action="store_true", help="2 photos of the first set, 3 train + 1 val patches each")

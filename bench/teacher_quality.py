@@ -36,6 +36,8 @@ import json
 import statistics
 from pathlib import Path
 
+import yaml
+
 from _common import (
     TINY_NEAR_EMPTY, ProjectCopy, add_tiny_argument, header_line, markdown_table, merge_params, project_copy, workspace,
     write_json,
@@ -144,8 +146,10 @@ def train_arms(args: argparse.Namespace) -> list[dict]:
 def run_arm(project: ProjectCopy, settings: dict[str, str]) -> dict:
     """One `dvc exp run` from the committed params with `settings`: the teacher's and the students' metrics."""
     project.run("git", "checkout", "-q", "HEAD", "--", "params.yaml")  # each arm names only what it changes
+    written = yaml.safe_load((project.path / "params.yaml").read_text())
     run = project.timed_dvc(
-        "exp", "run", *[f"-S={key}={value}" for key, value in settings.items()], "evaluate@pretrain", "evaluate@finetune"
+        "exp", "run", *[f"-S={set_param(written, key)}={value}" for key, value in settings.items()],
+        "evaluate@pretrain", "evaluate@finetune",
     )
     metrics = project.path / "metrics"
     result = {"stages_run": sorted(run.stage_seconds), "seconds": round(run.seconds)}
@@ -159,6 +163,17 @@ def run_arm(project: ProjectCopy, settings: dict[str, str]) -> dict:
         result["teacher"] = {"val_top1": teacher["val_top1"], "dense_top1": labels["dense_top1"],
                              "cell_top1": labels["cell_top1"]}
     return result
+
+
+def set_param(written: dict, key: str) -> str:
+    """`key` as `dvc exp run -S` takes it: "+key" where params.yaml does not write it (finetune writes only the
+    token-label keys it changes; the rest are the schema's defaults, which DVC can only add, not override)."""
+    section = written
+    for part in key.split("."):
+        if not isinstance(section, dict) or part not in section:
+            return f"+{key}"
+        section = section[part]
+    return key
 
 
 def report(runs: list[dict], args: argparse.Namespace) -> str:

@@ -220,7 +220,7 @@ def paired_gap(differences: list[float]) -> str:
     """The mean of an arm's per-seed differences to ground truth, and from two seeds on the standard error of that
     mean (their sample sd / sqrt(seeds)): each seed's pair shares its data, split and teacher, so the pairs' spread
     is what the mean is uncertain by, not the spread of either arm's own figures."""
-    mean = f"{statistics.fmean(differences):+.2f}"
+    mean = f"{round(statistics.fmean(differences), 2) + 0.0:+.2f}"  # + 0.0: no "-0.00" for a mean that rounds to 0
     if len(differences) < 2:
         return mean
     return f"{mean} ± {statistics.stdev(differences) / len(differences) ** 0.5:.2f}"

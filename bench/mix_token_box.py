@@ -50,12 +50,11 @@ def box_grid(model: torch.nn.Module, img_size: int) -> tuple[int, int]:
     return side, side // model.pooling_scale
 
 
-def box_shares(model: torch.nn.Module, side: int, samples: int) -> list[float]:
-    """The share of the crop each of `samples` MixToken boxes swaps on a `side` x `side` patch embedding, drawn as
-    timm's forward_train draws them."""
+def box_shares(model: torch.nn.Module, side: int, grid: int, samples: int) -> list[float]:
+    """The share of the crop each of `samples` MixToken boxes swaps on a `side` x `side` patch embedding (the box on
+    its `grid` x `grid` pooled grid), drawn as timm's forward_train draws them."""
     beta = torch.distributions.Beta(model.beta, model.beta)
     size = (1, side, side, 1)  # forward_train's x: [B, H, W, C] after the patch embedding
-    grid = side // model.pooling_scale
     return [1.0 - mix_token_lam(rand_bbox(size, beta.sample(), scale=model.pooling_scale), grid)
             for _ in range(samples)]
 
@@ -71,7 +70,7 @@ def main() -> None:
     for label, model_cfg, img_size in models:
         model = build_model(model_cfg, num_classes=10, img_size=img_size, mix_token=True)
         side, grid = box_grid(model, img_size)
-        shares = box_shares(model, side, args.samples)
+        shares = box_shares(model, side, grid, args.samples)
         quantiles = statistics.quantiles(shares, n=10)
         numbers = {"model": label, "img_size": img_size, "tokens": side, "box_grid": grid,
                    "mean": statistics.fmean(shares), "median": statistics.median(shares), "p90": quantiles[-1],

@@ -36,8 +36,6 @@ import json
 import statistics
 from pathlib import Path
 
-import yaml
-
 from _common import (
     TINY_NEAR_EMPTY, ProjectCopy, add_tiny_argument, header_line, markdown_table, merge_params, project_copy, workspace,
     write_json,
@@ -80,7 +78,8 @@ def parse_args() -> argparse.Namespace:
                         help="an ImageFolder tree to run on instead of the photos, e.g. a held-out set of "
                              "bench/photo_sets.py (data/photo_sets/lomiri)")
     parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", dest="settings",
-                        help="params for every arm, as dvc exp run -S takes them (e.g. augment.hflip=0.5)")
+                        help="params for every arm, as dvc exp run -S takes them (e.g. augment.hflip=0.5; "
+                             "+KEY=VALUE for a key params.yaml does not write)")
     parser.add_argument("--workdir", type=Path, default=None, help="keep the project copies here (default: a temp dir)")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the report and numbers here")
     parser.add_argument("--report-from", type=Path, nargs="+", default=None, metavar="JSON",
@@ -146,9 +145,8 @@ def train_arms(args: argparse.Namespace) -> list[dict]:
 def run_arm(project: ProjectCopy, settings: dict[str, str]) -> dict:
     """One `dvc exp run` from the committed params with `settings`: the teacher's and the students' metrics."""
     project.run("git", "checkout", "-q", "HEAD", "--", "params.yaml")  # each arm names only what it changes
-    written = yaml.safe_load((project.path / "params.yaml").read_text())
     run = project.timed_dvc(
-        "exp", "run", *[f"-S={set_param(written, key)}={value}" for key, value in settings.items()],
+        "exp", "run", *[f"-S={key}={value}" for key, value in settings.items()],
         "evaluate@pretrain", "evaluate@finetune",
     )
     metrics = project.path / "metrics"
@@ -163,17 +161,6 @@ def run_arm(project: ProjectCopy, settings: dict[str, str]) -> dict:
         result["teacher"] = {"val_top1": teacher["val_top1"], "dense_top1": labels["dense_top1"],
                              "cell_top1": labels["cell_top1"]}
     return result
-
-
-def set_param(written: dict, key: str) -> str:
-    """`key` as `dvc exp run -S` takes it: "+key" where params.yaml does not write it (finetune writes only the
-    token-label keys it changes; the rest are the schema's defaults, which DVC can only add, not override)."""
-    section = written
-    for part in key.split("."):
-        if not isinstance(section, dict) or part not in section:
-            return f"+{key}"
-        section = section[part]
-    return key
 
 
 def report(runs: list[dict], args: argparse.Namespace) -> str:

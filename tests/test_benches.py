@@ -281,7 +281,7 @@ def test_photo_sets_tiny_builds_an_imagefolder_of_a_debian_package_s_photographs
 # Two DVC experiments (ground truth, the recipe) from a one-epoch teacher, in the bench's own near-empty copy.
 @pytest.mark.slow
 def test_teacher_quality_tiny_reports_each_arm_and_the_recipe_s_gap_to_ground_truth(tmp_path: Path) -> None:
-    # The no-dense arm sets finetune.token_label.dense_weight, which params.yaml leaves to the schema's default.
+    # The no-dense arm sets finetune.token_label.dense_weight: DVC overrides only keys params.yaml writes.
     report = run_bench("teacher_quality", "--tiny", "--workdir", str(tmp_path),
                        "--arms", "ground truth", "recipe, no dense loss", "recipe")
     rows = {row[2]: row for row in first_table(report)}

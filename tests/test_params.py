@@ -41,6 +41,8 @@ def test_shipped_params_are_valid_and_document_every_training_knob():
     assert written <= knobs
     # pretrain documents every key of a training section (teacher and finetune write the ones they change).
     assert {key for key in knobs if key.startswith("pretrain.")} <= written
+    # finetune writes every token-label key: `dvc exp run -S` overrides only keys the file writes (the ablations').
+    assert {key for key in knobs if key.startswith("finetune.token_label.")} <= written
 
 
 @pytest.mark.parametrize(

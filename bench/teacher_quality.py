@@ -12,7 +12,12 @@ quality and seed, trains the students with:
 - the reference's targets: pre-training on the teacher alone, fine-tuning with sail-sg/volo's mix (w 0.5 / 0.9),
   class target only,
 - (--arms) the class-only mix: the recipe's weights on the class target only, the tokens the teacher's,
-- (--arms) the recipe with one part of token labeling off: MixToken, or the dense (per-token) loss.
+- (--arms) the recipe with one part of token labeling changed: MixToken off, the dense (per-token) loss off or
+  at twice its weight, no label mixed into the targets, the reference's target smoothing, the reference's
+  (centre) teacher view.
+
+A change that reaches ground truth too, such as a stage's crop scale, is a `--set` of every arm (below): the gaps
+are then both arms' under that change.
 
 `--data-root DIR` runs on an ImageFolder tree instead of the photos: a held-out set of bench/photo_sets.py; `--set
 KEY=VALUE ...` gives every arm more params (e.g. augment.hflip=0.5, as the held-out runs have it).
@@ -54,6 +59,11 @@ ARMS = {  # name -> the `dvc exp run -S` settings on top of the shipped params
     # The parts of token labeling, one off at a time on top of the recipe (issue 56's held-out sets).
     "recipe, no MixToken": {f"{stage}.token_label.mix_token": "false" for stage in STUDENTS},
     "recipe, no dense loss": {f"{stage}.token_label.dense_weight": "0" for stage in STUDENTS},
+    "recipe, dense weight 1": {f"{stage}.token_label.dense_weight": "1.0" for stage in STUDENTS},  # twice VOLO's 0.5
+    "recipe, no label mixing": {f"{stage}.token_label.ground_truth_mix": "false" for stage in STUDENTS},
+    "recipe, target smoothing 0.1": {  # sail-sg/volo's --smoothing 0.1, which smooths the token targets too
+        f"{stage}.token_label.label_smoothing": "0.1" for stage in STUDENTS},
+    "recipe, centre teacher view": {"token_labels.teacher_view": "center"},  # the reference's view of each image
 }
 DEFAULT_ARMS = ("ground truth", "recipe", "reference targets")
 TEACHER_ONLY = "ground truth"  # the arm the teacher does not reach: run once per seed

@@ -57,7 +57,7 @@ ARMS = {  # name -> the `dvc exp run -S` settings on top of the shipped params
         **{f"{stage}.token_label.ground_truth_tokens": "false" for stage in STUDENTS},
     },
     "class-only mix": {f"{stage}.token_label.ground_truth_tokens": "false" for stage in STUDENTS},
-    # The parts of token labeling, one off at a time on top of the recipe (issue 56's held-out sets).
+    # The parts of token labeling, one changed at a time on top of the recipe (issue 56's held-out sets).
     "recipe, no MixToken": {f"{stage}.token_label.mix_token": "false" for stage in STUDENTS},
     "recipe, no dense loss": {f"{stage}.token_label.dense_weight": "0" for stage in STUDENTS},
     "recipe, dense weight 1": {f"{stage}.token_label.dense_weight": "1.0" for stage in STUDENTS},  # twice VOLO's 0.5

@@ -278,7 +278,8 @@ def test_photo_sets_tiny_builds_an_imagefolder_of_a_debian_package_s_photographs
     assert {min(Image.open(tmp_path / "lomiri" / file.path).size) for file in source.files["train"]} == {64}
 
 
-# Two DVC experiments (ground truth, the recipe) from a one-epoch teacher, in the bench's own near-empty copy.
+# Three DVC experiments (ground truth, the recipe without the dense loss, the recipe) from a one-epoch teacher, in the
+# bench's own near-empty copy.
 @pytest.mark.slow
 def test_teacher_quality_tiny_reports_each_arm_and_the_recipe_s_gap_to_ground_truth(tmp_path: Path) -> None:
     # The no-dense arm sets finetune.token_label.dense_weight: DVC overrides only keys params.yaml writes.

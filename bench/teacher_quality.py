@@ -15,7 +15,8 @@ quality and seed, trains the students with:
 - (--arms) the recipe with one part of token labeling changed: MixToken off, the dense (per-token) loss off or
   at twice its weight, no label mixed into the targets, the reference's target smoothing, the reference's
   (centre) teacher view; or token labels in pre-training only, fine-tuning on ground truth; or MixToken or the
-  dense loss off in fine-tuning alone (the pre-trained student the recipe's: only fine-tuning runs).
+  dense loss off, or the teacher's weight halved, in fine-tuning alone (the pre-trained student the recipe's: only
+  fine-tuning runs).
 
 A change that reaches ground truth too, such as a stage's crop scale, is a `--set` of every arm (below): the gaps
 are then both arms' under that change.
@@ -69,6 +70,8 @@ ARMS = {  # name -> the `dvc exp run -S` settings on top of the shipped params
     # One part off in fine-tuning alone: the pre-trained student is the recipe's, from DVC's run cache.
     "recipe, fine-tuning without MixToken": {"finetune.token_label.mix_token": "false"},
     "recipe, fine-tuning without dense loss": {"finetune.token_label.dense_weight": "0"},
+    # Half the teacher's weight where it agrees with the label: sharper targets where the teacher's are flat.
+    "recipe, fine-tuning teacher weight 0.25": {"finetune.token_label.teacher_weight.agrees": "0.25"},
 }
 DEFAULT_ARMS = ("ground truth", "recipe", "reference targets")
 TEACHER_ONLY = "ground truth"  # the arm the teacher does not reach: run once per seed

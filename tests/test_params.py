@@ -1,5 +1,6 @@
 """The params schema: the shipped file is valid, and each kind of user mistake is one line naming the key."""
 
+import importlib
 import os
 import subprocess
 import sys
@@ -43,6 +44,15 @@ def test_shipped_params_are_valid_and_document_every_training_knob():
     assert {key for key in knobs if key.startswith("pretrain.")} <= written
     # finetune writes every token-label key: `dvc exp run -S` overrides only keys the file writes (the ablations').
     assert {key for key in knobs if key.startswith("finetune.token_label.")} <= written
+
+
+def test_teacher_quality_arms_set_only_keys_params_yaml_writes(monkeypatch: pytest.MonkeyPatch):
+    # `dvc exp run -S` refuses a key params.yaml does not write, which a bench arm would meet only after the seed's
+    # ground-truth arm and teacher had run (10-20 minutes on 2 cores).
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    arms = importlib.import_module("teacher_quality").ARMS
+    written = spelled_out(shipped())
+    assert not {arm: key for arm, settings in arms.items() for key in settings if key not in written}
 
 
 @pytest.mark.parametrize(

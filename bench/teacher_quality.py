@@ -8,15 +8,15 @@ quality and seed, trains the students with:
 
 - ground truth: `<student>.token_label.enabled=false` (no teacher; run once per seed),
 - the recipe: the shipped params (the label mixed into the class and token targets, w = 0.5 where the teacher
-  agrees with the label, 0.1 where it does not, in pre-training and fine-tuning),
+  agrees with the label in pre-training, 0.25 in fine-tuning, 0.1 where it does not),
 - the reference's targets: pre-training on the teacher alone, fine-tuning with sail-sg/volo's mix (w 0.5 / 0.9),
   class target only,
 - (--arms) the class-only mix: the recipe's weights on the class target only, the tokens the teacher's,
 - (--arms) the recipe with one part of token labeling changed: MixToken off, the dense (per-token) loss off or
   at twice its weight, no label mixed into the targets, the reference's target smoothing, the reference's
   (centre) teacher view; or token labels in pre-training only, fine-tuning on ground truth; or MixToken or the
-  dense loss off, or the teacher's weight halved, in fine-tuning alone (the pre-trained student the recipe's: only
-  fine-tuning runs).
+  dense loss off, or pre-training's teacher weight, in fine-tuning alone (the pre-trained student the recipe's:
+  only fine-tuning runs).
 
 A change that reaches ground truth too, such as a stage's crop scale, is a `--set` of every arm (below): the gaps
 are then both arms' under that change.
@@ -54,7 +54,7 @@ ARMS = {  # name -> the `dvc exp run -S` settings on top of the shipped params
     "recipe": {},
     "reference targets": {
         "pretrain.token_label.ground_truth_mix": "false",
-        "finetune.token_label.teacher_weight.disagrees": "0.9",
+        "finetune.token_label.teacher_weight.agrees": "0.5", "finetune.token_label.teacher_weight.disagrees": "0.9",
         **{f"{stage}.token_label.ground_truth_tokens": "false" for stage in STUDENTS},
     },
     "class-only mix": {f"{stage}.token_label.ground_truth_tokens": "false" for stage in STUDENTS},
@@ -70,8 +70,8 @@ ARMS = {  # name -> the `dvc exp run -S` settings on top of the shipped params
     # One part off in fine-tuning alone: the pre-trained student is the recipe's, from DVC's run cache.
     "recipe, fine-tuning without MixToken": {"finetune.token_label.mix_token": "false"},
     "recipe, fine-tuning without dense loss": {"finetune.token_label.dense_weight": "0"},
-    # Half the teacher's weight where it agrees with the label: sharper targets where the teacher's are flat.
-    "recipe, fine-tuning teacher weight 0.25": {"finetune.token_label.teacher_weight.agrees": "0.25"},
+    # Fine-tuning with pre-training's weight where the teacher agrees with the label (the defaults' until issue 56).
+    "recipe, fine-tuning teacher weight 0.5": {"finetune.token_label.teacher_weight.agrees": "0.5"},
 }
 DEFAULT_ARMS = ("ground truth", "recipe", "reference targets")
 TEACHER_ONLY = "ground truth"  # the arm the teacher does not reach: run once per seed

@@ -10,7 +10,7 @@ that no train patch touches; a fifth of the patches, drawn at random, are writte
 ImageNet holds some grey photos. Photographs only: drawings, renders and gradients the packages also ship are
 left out (each set names what it leaves out).
 
-Run: python bench/photo_sets.py [--sets lomiri mate-nature plasma] [--out data/photo_sets] [--seed 0]
+Run: python bench/photo_sets.py [--sets lomiri mate-nature plasma lxqt] [--out data/photo_sets] [--seed 0]
 Writes <out>/<set>/{train,val}/<photo>/NNNN.png and <out>/<set>.json (the package, its version, each photo's
 sha256). data/photo_sets/ is ignored by git and DVC. --tiny: 2 photos of the first set, 3 + 1 patches each.
 """
@@ -79,6 +79,18 @@ SETS = {
         "(Altai, Autumn, Canopee, Cascade, Cluster, Elarun, Flow, FlyingKonqui, Honeywave, IceCold, Kay, Kokkini, "
         "MilkyWay, Opal, PastelHills, Patak, SafeLanding, Shell, Volna)",
     ),
+    # The confirmation set of fine-tuning's teacher weight (issue 56): built only once 0.25 was chosen on the others.
+    "lxqt": PhotoSet(
+        "lxqt-themes", "1.2.0-1",
+        {Path(name).stem.lower(): f"usr/share/lxqt/wallpapers/{name}" for name in (
+            "Butterfly-Kenneth-Wimer.jpg", "Valendas.png", "after-the-rain.jpg", "appleflower.png", "beam.png",
+            "butterfly.png", "cloud.png", "drop.png", "flowers.png", "fog.jpg", "this-is-not-windows.jpg",
+        )},
+        "LXQt's wallpapers that are photographs: a butterfly, mountains, clouds, blossom, a drop on grass, flowers, "
+        "fog over fields (CC BY-SA 3.0, the package's wallpapers/License); left out: the drawings and renders "
+        "(kde-plasma, lxqt-origami-green, origami-*, plasma-logo-*, plasma_arch, simple_blue_widescreen, "
+        "triangles*, waves-*)",
+    ),
 }
 
 
@@ -121,7 +133,8 @@ def build(name: str, out: Path, seed: int, tiny: bool) -> dict:
         def photos():
             for label, path in files.items():
                 with Image.open(path) as opened:
-                    yield label, np.asarray(opened)
+                    # One of lxqt's is RGBA (opaque): patches are written grey (L) or colour (RGB).
+                    yield label, np.asarray(opened if opened.mode in ("L", "RGB") else opened.convert("RGB"))
 
         write_patches(tree, photos(), settings, seed, grey_share=GREY_SHARE)
         digests = {label: hashlib.sha256(path.read_bytes()).hexdigest() for label, path in files.items()}

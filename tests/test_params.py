@@ -49,9 +49,9 @@ def test_shipped_params_are_valid_and_document_every_training_knob():
 
 
 def test_fine_tuning_weighs_an_agreeing_teacher_half_as_much_as_pre_training():
-    # A measured deviation (issue 56; docs/recipe.md, "A teacher that errs"): sail-sg/volo's fine-tuning target, and
-    # pre-training here, weigh the teacher 0.5 where its top-1 is the label; the ImageNet profiles keep that
-    # (tests/test_profiles.py).
+    # A measured deviation (issue 56; docs/recipe.md, "Fine-tuning's teacher weight"): sail-sg/volo's fine-tuning
+    # target, and pre-training here, weigh the teacher 0.5 where its top-1 is the label; the ImageNet profiles keep
+    # that (tests/test_profiles.py).
     params = load_params(ROOT / "params.yaml")
     assert params.pretrain.token_label.teacher_weight == TeacherWeight(agrees=0.5, disagrees=0.1)
     assert params.finetune.token_label.teacher_weight == TeacherWeight(agrees=0.25, disagrees=0.1)

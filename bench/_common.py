@@ -259,6 +259,14 @@ def add_threads_argument(parser: argparse.ArgumentParser) -> None:
                         help=f"torch intra-op threads (default: {torch.get_num_threads()}, this machine's default)")
 
 
+def add_workdir_arguments(parser: argparse.ArgumentParser, kept: str) -> None:
+    """--workdir (where `kept` is kept) and --refresh-params (project_copy)."""
+    parser.add_argument("--workdir", type=Path, default=None, help=f"keep {kept} here (default: a temp dir)")
+    parser.add_argument("--refresh-params", action="store_true",
+                        help="a kept --workdir's project copy made with other params (a default changed since): commit "
+                             "today's there, so only the stages they reach rerun (its code must be this checkout's)")
+
+
 def add_tiny_argument(parser: argparse.ArgumentParser, sizes: str) -> None:
     """--tiny, and --results (write_results: a tiny run writes no dated report unless given a folder)."""
     parser.add_argument(
@@ -520,14 +528,39 @@ class ProjectCopy:
         return Repro(ended - started, {stage: end - at for (stage, at), end in zip(marks, ends)}, output)
 
 
-def project_copy(work: Path, params: dict) -> ProjectCopy:
-    """The project copy at work/COPY_DIR: the one a kept --workdir holds if it was made with the same `params` (what
-    its stages wrote is reused: DVC runs only what a bench changes), else a new one."""
+def project_copy(work: Path, params: dict, refresh_params: bool = False) -> ProjectCopy:
+    """The project copy at work/COPY_DIR: the one a kept --workdir holds if it was made from this checkout's code and
+    with the same `params` (what its stages wrote is reused: DVC runs only what a bench changes), else a new one.
+    `refresh_params`: a kept copy whose params alone differ gets these committed, so only the stages they reach rerun
+    (a default changed since the copy was made; DVC's run cache still holds the old params' outputs)."""
     path = work / COPY_DIR
     if not (path / "params.yaml").is_file():
         return ProjectCopy(path, params)
+    if changed := code_difference(path):
+        raise SystemExit(f"{path} holds a project copy made from other code ({changed} differs): use another --workdir")
     project = ProjectCopy.reopen(path)
     wanted = merge_params(yaml.safe_load((PROJECT_ROOT / "params.yaml").read_text()), params)
     if yaml.safe_load((path / "params.yaml").read_text()) != wanted:
-        raise SystemExit(f"{path} holds a project copy made with other params: use another --workdir")
+        if not refresh_params:
+            raise SystemExit(f"{path} holds a project copy made with other params: use another --workdir, or "
+                             "--refresh-params to commit today's there")
+        (path / "params.yaml").write_text(yaml.safe_dump(wanted, sort_keys=False))
+        project.run("git", "-c", "user.name=bench", "-c", "user.email=bench@localhost", "commit", "-qm",
+                    "bench: params refreshed", "--", "params.yaml")
     return project
+
+
+def code_difference(copy: Path) -> str | None:
+    """The first of the pipeline's files (dvc.yaml, stages/, src/) in which a project copy differs from this
+    checkout, or None: a kept copy must run today's code, or its figures are not today's."""
+    def files(root: Path) -> set[str]:
+        found = {"dvc.yaml"}
+        for folder in ("stages", "src"):
+            found |= {str(file.relative_to(root)) for file in (root / folder).rglob("*") if file.is_file()
+                      and "__pycache__" not in file.parts and not any(part.endswith(".egg-info") for part in file.parts)}
+        return found
+    ours, theirs = files(PROJECT_ROOT), files(copy)
+    for name in sorted(ours | theirs):
+        if name not in ours or name not in theirs or (PROJECT_ROOT / name).read_bytes() != (copy / name).read_bytes():
+            return name
+    return None

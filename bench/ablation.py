@@ -18,7 +18,7 @@ is the whole train.py run, validation included, as the stages' is.
 `--set KEY=VALUE ...` adds params to every DVC row, to measure one more knob; a kept `--workdir` run again at the
 same seed reuses its project copy, so such a run costs only the students.
 
-Run: python bench/ablation.py [--rows NAME ...] [--seed N] [--set KEY=VALUE ...] [--timm-repo DIR] [--workdir DIR]
+Run: python bench/ablation.py [--rows NAME ...] [--seed N] [--set KEY=VALUE ...] [--timm-repo DIR] [--workdir DIR [--refresh-params]]
 (see --help); make ablation runs every DVC row (ABLATION_ARGS="--timm-repo DIR" adds timm's).
 """
 
@@ -30,8 +30,8 @@ import json
 from pathlib import Path
 
 from _common import (
-    TINY_NEAR_EMPTY, ProjectCopy, add_tiny_argument, header_line, markdown_table, merge_params, project_copy, workspace,
-    write_json,
+    TINY_NEAR_EMPTY, ProjectCopy, add_tiny_argument, add_workdir_arguments, header_line, markdown_table, merge_params,
+    project_copy, workspace, write_json,
 )
 from coarse2fine.config import Params, load_params
 from coarse2fine.data import sources
@@ -80,7 +80,7 @@ def parse_args() -> argparse.Namespace:
                         help=f"rows to run, of: {'; '.join([*ROWS, TIMM_ROW])} (default: all; timm's with --timm-repo)")
     parser.add_argument("--timm-repo", type=Path, default=None, metavar="PATH",
                         help="a timm source checkout (the directory holding train.py): adds timm's row")
-    parser.add_argument("--workdir", type=Path, default=None, help="keep the project copy here (default: a temp dir)")
+    add_workdir_arguments(parser, "the project copy")
     parser.add_argument("--seed", type=int, default=0,
                         help="params.yaml's seed for every row: it draws the photo patches, the split and the training")
     parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", dest="extra_settings",
@@ -105,7 +105,8 @@ def main() -> None:
     results = {}
     with workspace(args.workdir) as work:
         copy_params = {**copy.deepcopy(PHOTOS), "seed": args.seed}
-        project = project_copy(work, merge_params(copy_params, TINY_NEAR_EMPTY) if args.tiny else copy_params)
+        project = project_copy(work, merge_params(copy_params, TINY_NEAR_EMPTY) if args.tiny else copy_params,
+                               args.refresh_params)
         params = load_params(project.path / "params.yaml")
         train_images = params.data.photos.train_per_class * len(sources.PHOTOS)
         for name in args.rows:

@@ -31,7 +31,7 @@ pre-trained student at 48 px (its own) and 64 px, the fine-tuned one at 64 px; t
 arm's gap to ground truth: the mean of its per-seed differences, with their standard error from two seeds on.
 
 Run: python bench/teacher_quality.py [--seeds 0 1] [--teacher-epochs 30 8 4 3] [--arms ...] [--data-root DIR]
-[--set KEY=VALUE ...] [--workdir DIR]
+[--set KEY=VALUE ...] [--workdir DIR [--refresh-params]]
 (make teacher-quality; about 5 hours on 2 CPU cores with the defaults: 18 DVC experiments, 9 per seed). `--student-epochs PRE FINE` shortens
 the students for a quick look (then the figures are not the defaults').
 """
@@ -44,8 +44,8 @@ import statistics
 from pathlib import Path
 
 from _common import (
-    TINY_NEAR_EMPTY, ProjectCopy, add_tiny_argument, header_line, markdown_table, merge_params, project_copy, workspace,
-    write_json,
+    TINY_NEAR_EMPTY, ProjectCopy, add_tiny_argument, add_workdir_arguments, header_line, markdown_table, merge_params,
+    project_copy, workspace, write_json,
 )
 
 STUDENTS = ("pretrain", "finetune")
@@ -98,7 +98,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", dest="settings",
                         help="params for every arm, as dvc exp run -S takes them (e.g. augment.hflip=0.5; "
                              "+KEY=VALUE for a key params.yaml does not write)")
-    parser.add_argument("--workdir", type=Path, default=None, help="keep the project copies here (default: a temp dir)")
+    add_workdir_arguments(parser, "the project copies")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the report and numbers here")
     parser.add_argument("--report-from", type=Path, nargs="+", default=None, metavar="JSON",
                         help="train nothing: the report of earlier runs' --json files (e.g. one process per seed)")
@@ -142,7 +142,8 @@ def train_arms(args: argparse.Namespace) -> list[dict]:
             data = {"source": "photos"} if args.data_root is None else {
                 "source": "imagefolder", "root": str(args.data_root.resolve())}
             change = {"seed": seed, "data": data}
-            project = project_copy(work / f"seed{seed}", merge_params(change, TINY) if args.tiny else change)
+            project = project_copy(work / f"seed{seed}", merge_params(change, TINY) if args.tiny else change,
+                                   args.refresh_params)
             students = {}
             if args.student_epochs is not None:
                 students = {f"{stage}.epochs": str(epochs) for stage, epochs in zip(STUDENTS, args.student_epochs)}

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from PIL import Image
 
 from coarse2fine.data.records import SPLITS
@@ -188,6 +189,31 @@ def test_a_metric_a_stage_no_longer_writes_stops_the_bench_naming_file_and_key(
     history.write_text("step\timg_per_s\n0\t300\n")
     with pytest.raises(SystemExit, match=rf"{history}: no 'train_img_per_s' \(found: step, img_per_s\)"):
         read_column(history, "train_img_per_s", delimiter="\t")
+
+
+def test_a_kept_workdir_is_reused_only_with_today_s_code_and_params_unless_told_to_refresh_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.syspath_prepend(str(PROJECT_ROOT / "bench"))
+    from _common import COPY_DIR, ProjectCopy, project_copy
+
+    def committed_seed() -> int:
+        return yaml.safe_load(copy.run("git", "show", "HEAD:params.yaml"))["seed"]
+
+    copy = ProjectCopy(tmp_path / COPY_DIR, {"seed": 3})
+    assert project_copy(tmp_path, {"seed": 3}).path == copy.path  # the same params: reused as it is
+    with pytest.raises(SystemExit, match="made with other params: use another --workdir, or --refresh-params"):
+        project_copy(tmp_path, {"seed": 4})
+    assert committed_seed() == 3
+    # Told to, today's params are committed there, so the next bench (and DVC's experiments) start from them.
+    project_copy(tmp_path, {"seed": 4}, refresh_params=True)
+    assert committed_seed() == 4 and not copy.run("git", "status", "--porcelain")
+    project_copy(tmp_path, {"seed": 4})
+    # A copy whose pipeline code is not this checkout's is never reused, refresh or not: its figures would not be today's.
+    stage = next((copy.path / "stages").glob("*.py"))
+    stage.write_text(stage.read_text() + "\n# changed\n")
+    with pytest.raises(SystemExit, match=rf"made from other code \(stages/{stage.name} differs\)"):
+        project_copy(tmp_path, {"seed": 4}, refresh_params=True)
 
 
 @pytest.fixture(scope="module")

@@ -113,7 +113,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     if args.report_from is not None:
-        runs = [run for path in args.report_from for run in json.loads(path.read_text())["runs"]]
+        runs = runs_of(args.report_from)
         args.seeds = sorted({run["seed"] for run in runs})
         args.teacher_epochs = sorted({run["teacher_epochs"] for run in runs}, reverse=True)
         args.arms = [arm for arm in ARMS if any(run["arm"] == arm for run in runs)]
@@ -123,6 +123,21 @@ def main() -> None:
     text = "\n".join([header_line(), "", report(runs, args)])
     print(text)
     write_json(args, text, {"runs": runs}, topic=result_topic(args))
+
+
+def runs_of(paths: list[Path]) -> list[dict]:
+    """The runs of earlier --json files; a run (seed, teacher epochs, arm) given twice stops the report, naming both
+    files: a report re-made from its own file plus the ones it was made from would count those seeds twice."""
+    runs, source = [], {}
+    for path in paths:
+        for run in json.loads(path.read_text())["runs"]:
+            key = (run["seed"], run["teacher_epochs"], run["arm"])
+            if key in source:
+                raise SystemExit(f"seed {key[0]}, teacher epochs {key[1]}, arm {key[2]!r} is in both {source[key]} "
+                                 f"and {path}: give each run once")
+            source[key] = path
+            runs.append(run)
+    return runs
 
 
 def result_topic(args: argparse.Namespace) -> str:

@@ -352,6 +352,12 @@ def test_teacher_quality_gap_is_the_mean_of_paired_differences_with_their_standa
     rows = {row[2]: row for row in first_table(report)}
     assert rows["recipe"][3] == "83.00 (72.00 / 84.00 / 93.00)"
     assert rows["recipe"][6] == " / ".join(["+3.00 ± 0.58"] * 3)
+    # The same runs given twice (a report re-made from its own file and the ones it came from) are refused, not
+    # counted twice: six 'seeds' would shrink the standard error by a root of two.
+    again = subprocess.run([sys.executable, "bench/teacher_quality.py", "--report-from", str(tmp_path / "runs.json"),
+                            str(tmp_path / "runs.json"), "--results", str(tmp_path)],
+                           cwd=PROJECT_ROOT, capture_output=True, text=True)
+    assert again.returncode == 1 and "seed 0, teacher epochs 30, arm 'ground truth' is in both" in again.stderr
 
 
 def test_mix_token_box_tiny_draws_each_model_s_box_on_its_pooled_token_grid(tmp_path: Path) -> None:

@@ -28,7 +28,9 @@ Each seed is its own project copy (the seed draws the photo patches, the split a
 runs once per quality and seed and DVC's run cache gives its token labels to every arm. Per quality: the teacher's
 val top-1, its dense top-1 on the train images and its cells' (the token_labels stage's metrics); per arm: the
 pre-trained student at 48 px (its own) and 64 px, the fine-tuned one at 64 px; the mean over seeds, and each
-arm's gap to ground truth: the mean of its per-seed differences, with their standard error from two seeds on.
+arm's gap to ground truth: the mean of its per-seed differences, with their standard error from two seeds on. Then,
+per arm, the fine-tuned student's val errors in the three classes where the recipe's and ground truth's differ most
+(the evaluate stage's per_class.json): a gap is often one class's val block, read wrong by one at every seed.
 
 Run: python bench/teacher_quality.py [--seeds 0 1] [--teacher-epochs 30 8 4 3] [--arms ...] [--data-root DIR]
 [--set KEY=VALUE ...] [--workdir DIR [--refresh-params]]
@@ -75,6 +77,7 @@ ARMS = {  # name -> the `dvc exp run -S` settings on top of the shipped params
 }
 DEFAULT_ARMS = ("ground truth", "recipe", "reference targets")
 TEACHER_ONLY = "ground truth"  # the arm the teacher does not reach: run once per seed
+CLASS_ROWS = 3  # classes in the per-class table: where the recipe's and ground truth's fine-tuned errors differ most
 # What each arm reports: (metrics file under metrics/evaluate, key, column name).
 STUDENT_COLUMNS = (
     ("pretrain", "top1", "pretrain @48"), ("pretrain", "top1_at_64", "pretrain @64"),
@@ -189,6 +192,8 @@ def run_arm(project: ProjectCopy, settings: dict[str, str]) -> dict:
         column: json.loads((metrics / "evaluate" / stage / "metrics.json").read_text())[key]
         for stage, key, column in STUDENT_COLUMNS
     }
+    per_class = json.loads((metrics / "evaluate" / "finetune" / "per_class.json").read_text())
+    result["finetune_wrong"] = {row["class"]: row["total"] - row["correct"] for row in per_class}
     teacher = json.loads((metrics / "teacher" / "metrics.json").read_text())
     labels = json.loads((metrics / "token_labels" / "metrics.json").read_text())
     if "dense_top1" in labels:  # an arm without token labels leaves an empty store (no teacher forward)
@@ -198,11 +203,8 @@ def run_arm(project: ProjectCopy, settings: dict[str, str]) -> dict:
 
 
 def report(runs: list[dict], args: argparse.Namespace) -> str:
-    """One row per teacher quality and arm: means over seeds (each seed in brackets), the recipe's gap to ground truth."""
-    def mean(values: list[float]) -> str:
-        shown = f"{statistics.fmean(values):.2f}"
-        return shown if len(values) == 1 else f"{shown} ({' / '.join(f'{value:.2f}' for value in values)})"
-
+    """One row per teacher quality and arm: means over seeds (each seed in brackets), the recipe's gap to ground truth;
+    then the classes where the recipe's fine-tuned student and ground truth's differ most."""
     runs = sorted(runs, key=lambda run: run["seed"])  # each cell's seeds in one order
     columns = [column for _, _, column in STUDENT_COLUMNS]
     truth = {column: {run["seed"]: run["students"][column] for run in runs if run["arm"] == TEACHER_ONLY}
@@ -234,7 +236,36 @@ def report(runs: list[dict], args: argparse.Namespace) -> str:
         "",
         markdown_table(["teacher epochs", "teacher val / dense train / cells top-1 %", "targets", *columns,
                         "gap to ground truth (pretrain @48 / @64 / finetune) ± its standard error"], rows),
+        *class_errors(runs, args),
     ])
+
+
+def mean(values: list[float], digits: int = 2) -> str:
+    """A table cell: the mean, then each value in brackets when there are several."""
+    shown = f"{statistics.fmean(values):.{digits}f}"
+    return shown if len(values) == 1 else f"{shown} ({' / '.join(f'{value:.{digits}f}' for value in values)})"
+
+
+def class_errors(runs: list[dict], args: argparse.Namespace) -> list[str]:
+    """The fine-tuned students' val errors in the CLASS_ROWS classes where the recipe's and ground truth's differ most
+    over the seeds both ran (the best teacher's runs): a gap is often one class's val images, read right by one student
+    and wrong by the other at every seed (docs/recipe.md, "Where `lxqt`'s shortfall comes from"). Runs recorded
+    before the bench kept each class's errors have none: no table then."""
+    best = max(args.teacher_epochs)
+    errors = {arm: {run["seed"]: run["finetune_wrong"] for run in runs if run["arm"] == arm and "finetune_wrong" in run
+                    and (arm == TEACHER_ONLY or run["teacher_epochs"] == best)} for arm in args.arms}
+    recipe, truth = errors.get("recipe", {}), errors.get(TEACHER_ONLY, {})
+    paired = [seed for seed in recipe if seed in truth]
+    if not paired:
+        return []
+    classes = sorted(recipe[paired[0]], key=lambda name: -abs(sum(recipe[seed][name] - truth[seed][name]
+                                                                    for seed in paired)))[:CLASS_ROWS]
+    arms = [arm for arm in args.arms if errors.get(arm)]
+    rows = [[name, *(mean([wrong[name] for wrong in errors[arm].values()], digits=1) for arm in arms)]
+            for name in classes]
+    return ["", f"val images wrong per class, fine-tuned (the {len(classes)} classes where the recipe and ground truth "
+                f"differ most at seeds {', '.join(map(str, paired))}; teacher epochs {best}), mean over seeds (per seed)",
+            "", markdown_table(["class", *arms], rows)]
 
 
 def paired_gap(differences: list[float]) -> str:

@@ -334,6 +334,16 @@ def test_teacher_quality_tiny_reports_each_arm_and_the_recipe_s_gap_to_ground_tr
              for files in experiment_metrics(project).values()]
     truth = next(values for values in shown if [f"{value:.2f}" for value in values] == rows["ground truth"][3:6])
     assert rows["recipe"][6] == " / ".join(f"{mine - theirs:+.2f}" for mine, theirs in zip(recipe, truth))
+    # Each arm's fine-tuned errors per class are the evaluate stage's per_class.json: the recipe's (the workspace's)
+    # in the recipe's column of the per-class table.
+    per_class = json.loads((project / "metrics" / "evaluate" / "finetune" / "per_class.json").read_text())
+    section = report.split("val images wrong per class")[1]
+    header = next(line for line in section.splitlines() if line.startswith("| class"))
+    column = [cell.strip() for cell in header.strip("|").split("|")].index("recipe")
+    classes = {row[0]: row[column] for row in first_table(section)}
+    assert classes and all(
+        classes[row["class"]] == f"{row['total'] - row['correct']:.1f}" for row in per_class if row["class"] in classes
+    )
 
 
 def test_teacher_quality_gap_is_the_mean_of_paired_differences_with_their_standard_error(tmp_path: Path) -> None:
@@ -341,9 +351,12 @@ def test_teacher_quality_gap_is_the_mean_of_paired_differences_with_their_standa
     # standard error 1 / sqrt(3) = 0.58), though either arm's own figures spread by 10 points.
     truth, recipe = [70.0, 80.0, 90.0], [72.0, 84.0, 93.0]
     columns = ("pretrain @48", "pretrain @64", "finetune @64")
+    # Val images wrong per class: the recipe misreads class `a` at every seed, ground truth nearly never.
+    wrong = {"ground truth": [{"a": 0, "b": 2, "c": 1}, {"a": 1, "b": 2, "c": 1}, {"a": 0, "b": 2, "c": 1}],
+             "recipe": [{"a": 5, "b": 2, "c": 1}, {"a": 4, "b": 3, "c": 1}, {"a": 6, "b": 2, "c": 1}]}
     runs = [
         {"seed": seed, "teacher_epochs": 30, "arm": arm, "student_epochs": None,
-         "students": dict.fromkeys(columns, values[seed]),
+         "students": dict.fromkeys(columns, values[seed]), "finetune_wrong": wrong[arm][seed],
          **({"teacher": {"val_top1": 80.0, "dense_top1": 99.0, "cell_top1": 90.0}} if arm == "recipe" else {})}
         for seed in range(3) for arm, values in (("ground truth", truth), ("recipe", recipe))
     ]
@@ -352,6 +365,11 @@ def test_teacher_quality_gap_is_the_mean_of_paired_differences_with_their_standa
     rows = {row[2]: row for row in first_table(report)}
     assert rows["recipe"][3] == "83.00 (72.00 / 84.00 / 93.00)"
     assert rows["recipe"][6] == " / ".join(["+3.00 ± 0.58"] * 3)
+    # Then where the gap comes from: the classes ordered by how far the recipe's errors are from ground truth's.
+    classes = first_table(report.split("val images wrong per class")[1])
+    assert classes == [["a", "0.3 (0.0 / 1.0 / 0.0)", "5.0 (5.0 / 4.0 / 6.0)"],  # ground truth, recipe
+                       ["b", "2.0 (2.0 / 2.0 / 2.0)", "2.3 (2.0 / 3.0 / 2.0)"],
+                       ["c", "1.0 (1.0 / 1.0 / 1.0)", "1.0 (1.0 / 1.0 / 1.0)"]]
     # The same runs given twice (a report re-made from its own file and the ones it came from) are refused, not
     # counted twice: six 'seeds' would shrink the standard error by a root of two.
     again = subprocess.run([sys.executable, "bench/teacher_quality.py", "--report-from", str(tmp_path / "runs.json"),

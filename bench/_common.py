@@ -553,11 +553,14 @@ def project_copy(work: Path, params: dict, refresh_params: bool = False) -> Proj
 def code_difference(copy: Path) -> str | None:
     """The first of the pipeline's files (dvc.yaml, stages/, src/) in which a project copy differs from this
     checkout, or None: a kept copy must run today's code, or its figures are not today's."""
+    def built(file: Path) -> bool:  # what Python and pip write beside the code
+        return "__pycache__" in file.parts or any(part.endswith(".egg-info") for part in file.parts)
+
     def files(root: Path) -> set[str]:
         found = {"dvc.yaml"}
         for folder in ("stages", "src"):
-            found |= {str(file.relative_to(root)) for file in (root / folder).rglob("*") if file.is_file()
-                      and "__pycache__" not in file.parts and not any(part.endswith(".egg-info") for part in file.parts)}
+            found |= {str(file.relative_to(root)) for file in (root / folder).rglob("*")
+                      if file.is_file() and not built(file)}
         return found
     ours, theirs = files(PROJECT_ROOT), files(copy)
     for name in sorted(ours | theirs):

@@ -18,8 +18,9 @@ is the whole train.py run, validation included, as the stages' is.
 `--set KEY=VALUE ...` adds params to every DVC row, to measure one more knob; a kept `--workdir` run again at the
 same seed reuses its project copy, so such a run costs only the students.
 
-Run: python bench/ablation.py [--rows NAME ...] [--seed N] [--set KEY=VALUE ...] [--timm-repo DIR] [--workdir DIR [--refresh-params]]
-(see --help); make ablation runs every DVC row (ABLATION_ARGS="--timm-repo DIR" adds timm's).
+Run: python bench/ablation.py [--rows NAME ...] [--seed N] [--set KEY=VALUE ...] [--timm-repo DIR]
+[--workdir DIR [--refresh-params]] (see --help); make ablation runs every DVC row (ABLATION_ARGS="--timm-repo DIR"
+adds timm's).
 """
 
 from __future__ import annotations

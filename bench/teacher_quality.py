@@ -263,8 +263,9 @@ def class_errors(runs: list[dict], args: argparse.Namespace) -> list[str]:
     arms = [arm for arm in args.arms if errors.get(arm)]
     rows = [[name, *(mean([wrong[name] for wrong in errors[arm].values()], digits=1) for arm in arms)]
             for name in classes]
+    seeds = ", ".join(map(str, paired))
     return ["", f"val images wrong per class, fine-tuned (the {len(classes)} classes where the recipe and ground truth "
-                f"differ most at seeds {', '.join(map(str, paired))}; teacher epochs {best}), mean over seeds (per seed)",
+                f"differ most at seeds {seeds}; teacher epochs {best}), mean over seeds (per seed)",
             "", markdown_table(["class", *arms], rows)]
 
 

@@ -265,7 +265,8 @@ def class_errors(runs: list[dict], args: argparse.Namespace) -> list[str]:
             for name in classes]
     seeds = ", ".join(map(str, paired))
     return ["", f"val images wrong per class, fine-tuned (the {len(classes)} classes where the recipe and ground truth "
-                f"differ most at seeds {seeds}; teacher epochs {best}), mean over seeds (per seed)",
+                f"differ most at seeds {seeds}; teacher epochs {best}), mean over the seeds each arm ran (per seed, "
+                "in order)",
             "", markdown_table(["class", *arms], rows)]
 
 

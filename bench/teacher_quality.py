@@ -16,7 +16,7 @@ quality and seed, trains the students with:
   at twice its weight, no label mixed into the targets, the reference's target smoothing, the reference's
   (centre) teacher view; or token labels in pre-training only, fine-tuning on ground truth; or MixToken or the
   dense loss off, or pre-training's teacher weight, in fine-tuning alone (the pre-trained student the recipe's:
-  only fine-tuning runs).
+  only fine-tuning runs); or MixToken off, or fine-tuning's teacher weight, in pre-training alone.
 
 A change that reaches ground truth too, such as a stage's crop scale, is a `--set` of every arm (below): the gaps
 are then both arms' under that change.
@@ -46,8 +46,8 @@ import statistics
 from pathlib import Path
 
 from _common import (
-    TINY_NEAR_EMPTY, ProjectCopy, add_tiny_argument, add_workdir_arguments, header_line, markdown_table, merge_params,
-    project_copy, workspace, write_json,
+    TINY_NEAR_EMPTY, ProjectCopy, add_tiny_argument, add_workdir_arguments, header_line, machine_slug, markdown_table,
+    merge_params, project_copy, workspace, write_json,
 )
 
 STUDENTS = ("pretrain", "finetune")
@@ -74,6 +74,10 @@ ARMS = {  # name -> the `dvc exp run -S` settings on top of the shipped params
     "recipe, fine-tuning without dense loss": {"finetune.token_label.dense_weight": "0"},
     # Fine-tuning with pre-training's weight where the teacher agrees with the label (the defaults' until issue 56).
     "recipe, fine-tuning teacher weight 0.5": {"finetune.token_label.teacher_weight.agrees": "0.5"},
+    # One part changed in pre-training alone (fine-tuning, the recipe's, runs from the new pre-trained student).
+    "recipe, pre-training without MixToken": {"pretrain.token_label.mix_token": "false"},
+    # Pre-training with fine-tuning's weight where the teacher agrees: less of the teacher's reading of each image.
+    "recipe, pre-training teacher weight 0.25": {"pretrain.token_label.teacher_weight.agrees": "0.25"},
 }
 DEFAULT_ARMS = ("ground truth", "recipe", "reference targets")
 TEACHER_ONLY = "ground truth"  # the arm the teacher does not reach: run once per seed
@@ -130,14 +134,22 @@ def main() -> None:
 
 def runs_of(paths: list[Path]) -> list[dict]:
     """The runs of earlier --json files; a run (seed, teacher epochs, arm) given twice stops the report, naming both
-    files: a report re-made from its own file plus the ones it was made from would count those seeds twice."""
-    runs, source = [], {}
+    files: a report re-made from its own file plus the ones it was made from would count those seeds twice. So do a
+    seed's runs from two machines: each arm is compared with ground truth at its seed, and another CPU's rounding
+    trains other students from the same seed (lxqt's recipe at seed 0, fine-tuned: 74.55 % on 2 Intel Xeon cores,
+    75.15 % on 2 AMD EPYC cores, from the same teacher), so such a pair would measure the machines as well."""
+    runs, source, machines = [], {}, {}
     for path in paths:
         for run in json.loads(path.read_text())["runs"]:
             key = (run["seed"], run["teacher_epochs"], run["arm"])
             if key in source:
                 raise SystemExit(f"seed {key[0]}, teacher epochs {key[1]}, arm {key[2]!r} is in both {source[key]} "
                                  f"and {path}: give each run once")
+            machine = run.get("machine", "an unnamed machine")
+            first = machines.setdefault(run["seed"], (machine, path))
+            if first[0] != machine:
+                raise SystemExit(f"seed {run['seed']} ran on {first[0]} ({first[1]}) and on {machine} ({path}): a "
+                                 "seed's arms are compared only when one machine ran them all")
             source[key] = path
             runs.append(run)
     return runs
@@ -171,7 +183,7 @@ def train_arms(args: argparse.Namespace) -> list[dict]:
                         continue
                     settings = {"teacher.epochs": str(epochs), **students, **dict(
                         setting.split("=", 1) for setting in args.settings), **ARMS[arm]}
-                    runs.append({"seed": seed, "teacher_epochs": epochs, "arm": arm,
+                    runs.append({"seed": seed, "teacher_epochs": epochs, "arm": arm, "machine": machine_slug(),
                                  "student_epochs": args.student_epochs, **run_arm(project, settings)})
                     print(json.dumps(runs[-1]), flush=True)
                     # A killed sweep keeps what it ran.

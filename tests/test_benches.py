@@ -307,11 +307,17 @@ def test_photo_sets_tiny_builds_an_imagefolder_of_a_debian_package_s_photographs
 # Three DVC experiments (ground truth, the recipe without the dense loss, the recipe) from a one-epoch teacher, in the
 # bench's own near-empty copy.
 @pytest.mark.slow
-def test_teacher_quality_tiny_reports_each_arm_and_the_recipe_s_gap_to_ground_truth(tmp_path: Path) -> None:
+def test_teacher_quality_tiny_reports_each_arm_and_the_recipe_s_gap_to_ground_truth(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # The no-dense arm sets finetune.token_label.dense_weight: DVC overrides only keys params.yaml writes.
-    report = run_bench("teacher_quality", "--tiny", "--workdir", str(tmp_path),
+    report = run_bench("teacher_quality", "--tiny", "--workdir", str(tmp_path), "--json", str(tmp_path / "runs.json"),
                        "--arms", "ground truth", "recipe, no dense loss", "recipe")
     rows = {row[2]: row for row in first_table(report)}
+    # Each run names its machine, as the result files' names do: a seed's arms pair only on one (next test).
+    monkeypatch.syspath_prepend(str(PROJECT_ROOT / "bench"))
+    from _common import machine_slug
+    assert {run["machine"] for run in json.loads((tmp_path / "runs.json").read_text())["runs"]} == {machine_slug()}
     assert list(rows) == ["recipe, no dense loss", "recipe", "ground truth"]
     assert rows["recipe"][0] == "1"  # the teacher's epochs
     project = tmp_path / "seed0" / "project"
@@ -376,6 +382,13 @@ def test_teacher_quality_gap_is_the_mean_of_paired_differences_with_their_standa
                             str(tmp_path / "runs.json"), "--results", str(tmp_path)],
                            cwd=PROJECT_ROOT, capture_output=True, text=True)
     assert again.returncode == 1 and "seed 0, teacher epochs 30, arm 'ground truth' is in both" in again.stderr
+    # A seed whose arms ran on two machines is refused too: another CPU's rounding trains other students from the
+    # same seed, so the pair would measure the machines as well as the arms.
+    runs[-1]["machine"] = "2cpu-amd-epyc"  # seed 2's recipe; the rest name no machine
+    (tmp_path / "machines.json").write_text(json.dumps({"runs": runs}))
+    mixed = subprocess.run([sys.executable, "bench/teacher_quality.py", "--report-from", str(tmp_path / "machines.json"),
+                            "--results", str(tmp_path)], cwd=PROJECT_ROOT, capture_output=True, text=True)
+    assert mixed.returncode == 1 and "seed 2 ran on an unnamed machine" in mixed.stderr and "2cpu-amd-epyc" in mixed.stderr
 
 
 def test_mix_token_box_tiny_draws_each_model_s_box_on_its_pooled_token_grid(tmp_path: Path) -> None:

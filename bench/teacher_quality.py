@@ -16,7 +16,8 @@ quality and seed, trains the students with:
   at twice its weight, no label mixed into the targets, the reference's target smoothing, the reference's
   (centre) teacher view; or token labels in pre-training only, fine-tuning on ground truth; or MixToken or the
   dense loss off, or pre-training's teacher weight, in fine-tuning alone (the pre-trained student the recipe's:
-  only fine-tuning runs); or MixToken off, or fine-tuning's teacher weight, in pre-training alone.
+  only fine-tuning runs); or MixToken off, or fine-tuning's teacher weight, in pre-training alone; or the teacher's
+  weight 0 in both (MixToken and the per-token loss on the label alone).
 
 A change that reaches ground truth too, such as a stage's crop scale, is a `--set` of every arm (below): the gaps
 are then both arms' under that change.
@@ -76,6 +77,10 @@ ARMS = {  # name -> the `dvc exp run -S` settings on top of the shipped params
     "recipe, fine-tuning teacher weight 0.5": {"finetune.token_label.teacher_weight.agrees": "0.5"},
     # One part changed in pre-training alone (fine-tuning, the recipe's, runs from the new pre-trained student).
     "recipe, pre-training without MixToken": {"pretrain.token_label.mix_token": "false"},
+    # Both students' targets the label alone (no teacher), MixToken and the per-token loss kept: what they cost apart
+    # from the teacher's reading of the images.
+    "recipe, teacher weight 0": {f"{stage}.token_label.teacher_weight.{case}": "0"
+                                 for stage in STUDENTS for case in ("agrees", "disagrees")},
     # Pre-training with fine-tuning's weight where the teacher agrees: less of the teacher's reading of each image.
     "recipe, pre-training teacher weight 0.25": {"pretrain.token_label.teacher_weight.agrees": "0.25"},
 }

@@ -142,7 +142,7 @@ def runs_of(paths: list[Path]) -> list[dict]:
     files: a report re-made from its own file plus the ones it was made from would count those seeds twice. So do a
     seed's runs from two machines: each arm is compared with ground truth at its seed, and another CPU's rounding
     trains other students from the same seed (lxqt's recipe at seed 0, fine-tuned: 74.55 % on 2 Intel Xeon cores,
-    75.15 % on 2 AMD EPYC cores, from the same teacher), so such a pair would measure the machines as well."""
+    75.15 % on 2 AMD EPYC cores, from teachers of the same val top-1): such a pair would measure the machines too."""
     runs, source, machines = [], {}, {}
     for path in paths:
         for run in json.loads(path.read_text())["runs"]:

@@ -386,9 +386,11 @@ def test_teacher_quality_gap_is_the_mean_of_paired_differences_with_their_standa
     # same seed, so the pair would measure the machines as well as the arms.
     runs[-1]["machine"] = "2cpu-amd-epyc"  # seed 2's recipe; the rest name no machine
     (tmp_path / "machines.json").write_text(json.dumps({"runs": runs}))
-    mixed = subprocess.run([sys.executable, "bench/teacher_quality.py", "--report-from", str(tmp_path / "machines.json"),
-                            "--results", str(tmp_path)], cwd=PROJECT_ROOT, capture_output=True, text=True)
-    assert mixed.returncode == 1 and "seed 2 ran on an unnamed machine" in mixed.stderr and "2cpu-amd-epyc" in mixed.stderr
+    mixed = subprocess.run([sys.executable, "bench/teacher_quality.py", "--report-from",
+                            str(tmp_path / "machines.json"), "--results", str(tmp_path)],
+                           cwd=PROJECT_ROOT, capture_output=True, text=True)
+    assert mixed.returncode == 1
+    assert "seed 2 ran on an unnamed machine" in mixed.stderr and "2cpu-amd-epyc" in mixed.stderr
 
 
 def test_mix_token_box_tiny_draws_each_model_s_box_on_its_pooled_token_grid(tmp_path: Path) -> None:

@@ -300,13 +300,16 @@ def plain_options(args: argparse.Namespace) -> dict:
     return {key: plain(value) for key, value in vars(args).items()}
 
 
-def write_json(args: argparse.Namespace, text: str, raw: dict, topic: str | None = None) -> None:
+def write_json(
+    args: argparse.Namespace, text: str, raw: dict, topic: str | None = None, machine: str | None = None
+) -> None:
     """The report, the options and the raw numbers: to --json PATH if given, and as the bench's dated result file
-    (write_results; its topic the bench's name unless `topic` names a variant)."""
+    (write_results; its topic the bench's name unless `topic` names a variant, its machine this one unless `machine`
+    names the one that ran what the report shows)."""
     if args.json is not None:
         report = {"report": text, "args": plain_options(args), "goals": GOALS, **raw}
         args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    write_results(args, topic or Path(sys.argv[0]).stem, text, raw)
+    write_results(args, topic or Path(sys.argv[0]).stem, text, raw, machine)
 
 
 def random_store(directory: Path, records: int, *, num_classes: int, top_k: int, grid: int, seed: int) -> TokenLabelStore:
@@ -362,15 +365,17 @@ def machine_slug() -> str:
     return f"{cores}cpu-" + "-".join(words[:2])
 
 
-def write_results(args: argparse.Namespace, topic: str, text: str, raw: dict) -> Path | None:
+def write_results(
+    args: argparse.Namespace, topic: str, text: str, raw: dict, machine: str | None = None
+) -> Path | None:
     """The report as `<results>/<topic>_<machine>_<date>.md` and the raw numbers beside it as .json (`args.results`,
     default bench/results; nothing with --tiny unless --results is given): the docs quote these files. A second
-    run on the same day and machine replaces the first's."""
+    run on the same day and machine replaces the first's. `machine`: machine_slug() unless given."""
     folder = args.results if args.results is not None else None if args.tiny else RESULTS_DIR
     if folder is None:
         return None
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{topic}_{machine_slug()}_{datetime.date.today().isoformat()}.md"
+    path = folder / f"{topic}_{machine or machine_slug()}_{datetime.date.today().isoformat()}.md"
     path.write_text(text + "\n", encoding="utf-8")
     numbers = {"args": plain_options(args), "goals": GOALS, **raw}
     path.with_suffix(".json").write_text(json.dumps(numbers, indent=2) + "\n", encoding="utf-8")

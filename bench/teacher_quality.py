@@ -134,7 +134,20 @@ def main() -> None:
         runs = train_arms(args)
     text = "\n".join([header_line(), "", report(runs, args)])
     print(text)
-    write_json(args, text, {"runs": runs}, topic=result_topic(args))
+    write_json(args, text, {"runs": runs}, topic=result_topic(args), machine=runs_machine(runs))
+
+
+def runs_machine(runs: list[dict]) -> str | None:
+    """The machine the runs name, for the result file's name (a report made elsewhere from them by --report-from is
+    named after where they ran, not after the machine that made it); None when they name none, `several-machines`
+    when their seeds ran on different ones."""
+    machines = machines_of(runs)
+    return None if not machines else machines[0] if len(machines) == 1 else "several-machines"
+
+
+def machines_of(runs: list[dict]) -> list[str]:
+    """The machines the runs name (runs recorded before they named one name none)."""
+    return sorted({run["machine"] for run in runs if "machine" in run})
 
 
 def runs_of(paths: list[Path]) -> list[dict]:
@@ -248,8 +261,8 @@ def report(runs: list[dict], args: argparse.Namespace) -> str:
     epochs_line = "students: params.yaml's epochs" if args.student_epochs is None else (
         f"students: pretrain {args.student_epochs[0]} + finetune {args.student_epochs[1]} epochs (not the defaults)")
     return "\n".join([
-        f"{data_line(args)}, seeds {', '.join(map(str, args.seeds))}; {epochs_line}; top-1 % on val, mean over seeds "
-        "(per seed, in that order)",
+        f"{data_line(args)}, seeds {', '.join(map(str, args.seeds))}{ran_on(runs)}; {epochs_line}; top-1 % on val, "
+        "mean over seeds (per seed, in that order)",
         "",
         markdown_table(["teacher epochs", "teacher val / dense train / cells top-1 %", "targets", *columns,
                         "gap to ground truth (pretrain @48 / @64 / finetune) ± its standard error"], rows),
@@ -295,6 +308,12 @@ def paired_gap(differences: list[float]) -> str:
     if len(differences) < 2:
         return mean
     return f"{mean} ± {statistics.stdev(differences) / len(differences) ** 0.5:.2f}"
+
+
+def ran_on(runs: list[dict]) -> str:
+    """Where the runs ran, as they name it (the header line names the machine that made the report)."""
+    machines = machines_of(runs)
+    return f" (run on {', '.join(machines)})" if machines else ""
 
 
 def data_line(args: argparse.Namespace) -> str:

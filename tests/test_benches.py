@@ -391,6 +391,15 @@ def test_teacher_quality_gap_is_the_mean_of_paired_differences_with_their_standa
                            cwd=PROJECT_ROOT, capture_output=True, text=True)
     assert mixed.returncode == 1
     assert "seed 2 ran on an unnamed machine" in mixed.stderr and "2cpu-amd-epyc" in mixed.stderr
+    # Runs that name one machine make a report named after it, wherever it is made: re-made here from runs of
+    # another machine, it must not replace this machine's result file of the same day.
+    for run in runs:
+        run["machine"] = "2cpu-far-away"
+    (tmp_path / "far.json").write_text(json.dumps({"runs": runs}))
+    far = run_bench("teacher_quality", "--report-from", str(tmp_path / "far.json"),
+                    "--results", str(tmp_path / "far"))
+    assert "seeds 0, 1, 2 (run on 2cpu-far-away);" in far
+    assert [path.name.split("_")[2] for path in (tmp_path / "far").glob("*.md")] == ["2cpu-far-away"]
 
 
 def test_mix_token_box_tiny_draws_each_model_s_box_on_its_pooled_token_grid(tmp_path: Path) -> None:

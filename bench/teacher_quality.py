@@ -242,6 +242,8 @@ def report(runs: list[dict], args: argparse.Namespace) -> str:
     rows = []
     for epochs in sorted(args.teacher_epochs, reverse=True):
         at_quality = [run for run in runs if run["teacher_epochs"] == epochs and "teacher" in run]
+        if not at_quality:  # ground truth alone ran: no teacher to show
+            continue
         teachers = {run["seed"]: run["teacher"] for run in at_quality}.values()
         teacher = " / ".join(mean([t[key] for t in teachers]) for key in ("val_top1", "dense_top1", "cell_top1"))
         for arm in args.arms:

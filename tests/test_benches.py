@@ -400,6 +400,11 @@ def test_teacher_quality_gap_is_the_mean_of_paired_differences_with_their_standa
                     "--results", str(tmp_path / "far"))
     assert "seeds 0, 1, 2 (run on 2cpu-far-away);" in far
     assert [path.name.split("_")[2] for path in (tmp_path / "far").glob("*.md")] == ["2cpu-far-away"]
+    # Ground truth alone (a seed's arm added to runs of an earlier session) reports its row: it has no teacher.
+    (tmp_path / "truth.json").write_text(json.dumps({"runs": [run for run in runs if run["arm"] == "ground truth"]}))
+    alone = run_bench("teacher_quality", "--report-from", str(tmp_path / "truth.json"),
+                      "--results", str(tmp_path / "truth"))
+    assert [row[2:4] for row in first_table(alone)] == [["ground truth", "80.00 (70.00 / 80.00 / 90.00)"]]
 
 
 def test_mix_token_box_tiny_draws_each_model_s_box_on_its_pooled_token_grid(tmp_path: Path) -> None:

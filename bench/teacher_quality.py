@@ -64,6 +64,9 @@ ARMS = {  # name -> the `dvc exp run -S` settings on top of the shipped params
     # The parts of token labeling, one changed at a time on top of the recipe (issue 56's held-out sets).
     "recipe, no MixToken": {f"{stage}.token_label.mix_token": "false" for stage in STUDENTS},
     "recipe, no dense loss": {f"{stage}.token_label.dense_weight": "0" for stage in STUDENTS},
+    "recipe, class target only": {  # neither MixToken nor the dense loss: the teacher's targets as ground truth's
+        f"{stage}.token_label.{key}": value for stage in STUDENTS
+        for key, value in (("mix_token", "false"), ("dense_weight", "0"))},
     "recipe, dense weight 1": {f"{stage}.token_label.dense_weight": "1.0" for stage in STUDENTS},  # twice VOLO's 0.5
     "recipe, no label mixing": {f"{stage}.token_label.ground_truth_mix": "false" for stage in STUDENTS},
     "recipe, target smoothing 0.1": {  # sail-sg/volo's --smoothing 0.1, which smooths the token targets too

@@ -304,23 +304,30 @@ def test_photo_sets_tiny_builds_an_imagefolder_of_a_debian_package_s_photographs
     assert {min(Image.open(tmp_path / "lomiri" / file.path).size) for file in source.files["train"]} == {64}
 
 
-# Three DVC experiments (ground truth, the recipe without the dense loss, the recipe) from a one-epoch teacher, in the
-# bench's own near-empty copy.
+@pytest.fixture(scope="module")
+def teacher_quality_tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """Three DVC experiments (ground truth, the recipe without the dense loss, the recipe) from a one-epoch teacher, in
+    the bench's own near-empty copy: (the workdir, the report)."""
+    workdir = tmp_path_factory.mktemp("teacher_quality")
+    # The no-dense arm sets finetune.token_label.dense_weight: DVC overrides only keys params.yaml writes.
+    report = run_bench("teacher_quality", "--tiny", "--workdir", str(workdir), "--json", str(workdir / "runs.json"),
+                       "--arms", "ground truth", "recipe, no dense loss", "recipe")
+    return workdir, report
+
+
 @pytest.mark.slow
 def test_teacher_quality_tiny_reports_each_arm_and_the_recipe_s_gap_to_ground_truth(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    teacher_quality_tiny: tuple[Path, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # The no-dense arm sets finetune.token_label.dense_weight: DVC overrides only keys params.yaml writes.
-    report = run_bench("teacher_quality", "--tiny", "--workdir", str(tmp_path), "--json", str(tmp_path / "runs.json"),
-                       "--arms", "ground truth", "recipe, no dense loss", "recipe")
+    workdir, report = teacher_quality_tiny
     rows = {row[2]: row for row in first_table(report)}
     # Each run names its machine, as the result files' names do: a seed's arms pair only on one (next test).
     monkeypatch.syspath_prepend(str(PROJECT_ROOT / "bench"))
     from _common import machine_slug
-    assert {run["machine"] for run in json.loads((tmp_path / "runs.json").read_text())["runs"]} == {machine_slug()}
+    assert {run["machine"] for run in json.loads((workdir / "runs.json").read_text())["runs"]} == {machine_slug()}
     assert list(rows) == ["recipe, no dense loss", "recipe", "ground truth"]
     assert rows["recipe"][0] == "1"  # the teacher's epochs
-    project = tmp_path / "seed0" / "project"
+    project = workdir / "seed0" / "project"
     metrics = {name: json.loads((project / "metrics" / name / "metrics.json").read_text())
                for name in ("teacher", "token_labels", "evaluate/pretrain", "evaluate/finetune")}
 
@@ -350,6 +357,31 @@ def test_teacher_quality_tiny_reports_each_arm_and_the_recipe_s_gap_to_ground_tr
     assert classes and all(
         classes[row["class"]] == f"{row['total'] - row['correct']:.1f}" for row in per_class if row["class"] in classes
     )
+
+
+@pytest.mark.slow
+def test_token_votes_reads_each_experiment_s_model_from_dvc_s_cache_as_the_evaluate_stage_scores_it(
+    teacher_quality_tiny: tuple[Path, str], tmp_path: Path
+) -> None:
+    project = teacher_quality_tiny[0] / "seed0" / "project"
+    report = run_bench("token_votes", "--projects", str(project), "--results", str(tmp_path))
+    rows = first_table(report)
+    # Each experiment named by the arm whose settings it ran (the bench's --set common to all left out).
+    assert list(dict.fromkeys(row[0] for row in rows)) == ["ground truth", "recipe", "recipe, no dense loss"]
+    # The recipe ran last: its per-class top-1 is the evaluate stage's per_class.json in the workspace, so the model
+    # came from the right experiment and the val records were read as the stage reads them.
+    per_class = json.loads((project / "metrics" / "evaluate" / "finetune" / "per_class.json").read_text())
+    recipe = {row[1]: row for row in rows if row[0] == "recipe"}
+    assert sorted(recipe) == sorted(row["class"] for row in per_class)
+    for row in per_class:
+        assert recipe[row["class"]][2:4] == [str(row["total"]), f"{100 * row['correct'] / row['total']:.1f}"]
+    assert_cells(rows, r"[\w-]+", r"\d+", *[r"\d+\.\d"] * 3, r"[\w-]+ \(\d+ %\)", "1")
+    assert all(0 <= float(cell) <= 100 for row in rows for cell in row[3:6])
+    unknown = subprocess.run(
+        [sys.executable, "bench/token_votes.py", "--projects", str(project), "--classes", "nosuch"],
+        cwd=PROJECT_ROOT, capture_output=True, text=True,
+    )
+    assert unknown.returncode != 0 and "no val class nosuch" in unknown.stderr
 
 
 def test_teacher_quality_gap_is_the_mean_of_paired_differences_with_their_standard_error(tmp_path: Path) -> None:

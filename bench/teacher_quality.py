@@ -12,12 +12,13 @@ quality and seed, trains the students with:
 - the reference's targets: pre-training on the teacher alone, fine-tuning with sail-sg/volo's mix (w 0.5 / 0.9),
   class target only,
 - (--arms) the class-only mix: the recipe's weights on the class target only, the tokens the teacher's,
-- (--arms) the recipe with one part of token labeling changed: MixToken off, the dense (per-token) loss off or
-  at twice its weight, no label mixed into the targets, the reference's target smoothing, the reference's
-  (centre) teacher view; or token labels in pre-training only, fine-tuning on ground truth; or MixToken or the
-  dense loss off, or pre-training's teacher weight, in fine-tuning alone (the pre-trained student the recipe's:
-  only fine-tuning runs); or MixToken off, or fine-tuning's teacher weight, in pre-training alone; or the teacher's
-  weight 0 in both (MixToken and the per-token loss on the label alone).
+- (--arms) the recipe with one part of token labeling changed: MixToken off, the dense (per-token) loss off or at
+  twice its weight, both off (the class target alone: the teacher's, or the label's with the teacher's weight 0), no
+  label mixed into the targets, the reference's target smoothing, the reference's (centre) teacher view; or token
+  labels in pre-training only, fine-tuning on ground truth; or MixToken or the dense loss off, or pre-training's
+  teacher weight, in fine-tuning alone (the pre-trained student the recipe's: only fine-tuning runs); or MixToken off,
+  or fine-tuning's teacher weight, in pre-training alone; or the teacher's weight 0 in both (MixToken and the
+  per-token loss on the label alone).
 
 A change that reaches ground truth too, such as a stage's crop scale, is a `--set` of every arm (below): the gaps
 are then both arms' under that change.
@@ -52,6 +53,12 @@ from _common import (
 )
 
 STUDENTS = ("pretrain", "finetune")
+# Both students trained on the class target alone: neither MixToken nor the dense (per-token) loss.
+NO_PER_TOKEN = {f"{stage}.token_label.{key}": value for stage in STUDENTS
+                for key, value in (("mix_token", "false"), ("dense_weight", "0"))}
+# Both students' targets the label alone: the teacher's weight 0 wherever its top-1 agrees or not.
+NO_TEACHER = {f"{stage}.token_label.teacher_weight.{case}": "0"
+              for stage in STUDENTS for case in ("agrees", "disagrees")}
 ARMS = {  # name -> the `dvc exp run -S` settings on top of the shipped params
     "ground truth": {f"{stage}.token_label.enabled": "false" for stage in STUDENTS},
     "recipe": {},
@@ -64,9 +71,7 @@ ARMS = {  # name -> the `dvc exp run -S` settings on top of the shipped params
     # The parts of token labeling, one changed at a time on top of the recipe (issue 56's held-out sets).
     "recipe, no MixToken": {f"{stage}.token_label.mix_token": "false" for stage in STUDENTS},
     "recipe, no dense loss": {f"{stage}.token_label.dense_weight": "0" for stage in STUDENTS},
-    "recipe, class target only": {  # neither MixToken nor the dense loss: the teacher's targets as ground truth's
-        f"{stage}.token_label.{key}": value for stage in STUDENTS
-        for key, value in (("mix_token", "false"), ("dense_weight", "0"))},
+    "recipe, class target only": NO_PER_TOKEN,  # the teacher's class targets, trained as ground truth is
     "recipe, dense weight 1": {f"{stage}.token_label.dense_weight": "1.0" for stage in STUDENTS},  # twice VOLO's 0.5
     "recipe, no label mixing": {f"{stage}.token_label.ground_truth_mix": "false" for stage in STUDENTS},
     "recipe, target smoothing 0.1": {  # sail-sg/volo's --smoothing 0.1, which smooths the token targets too
@@ -82,8 +87,10 @@ ARMS = {  # name -> the `dvc exp run -S` settings on top of the shipped params
     "recipe, pre-training without MixToken": {"pretrain.token_label.mix_token": "false"},
     # Both students' targets the label alone (no teacher), MixToken and the per-token loss kept: what they cost apart
     # from the teacher's reading of the images.
-    "recipe, teacher weight 0": {f"{stage}.token_label.teacher_weight.{case}": "0"
-                                 for stage in STUDENTS for case in ("agrees", "disagrees")},
+    "recipe, teacher weight 0": NO_TEACHER,
+    # Both: the label alone as the class target, neither MixToken nor the dense loss (ground truth's objective on the
+    # class logits, the targets unsmoothed): the corner the other two leave of the teacher and the per-token training.
+    "recipe, teacher weight 0, class target only": {**NO_TEACHER, **NO_PER_TOKEN},
     # Pre-training with fine-tuning's weight where the teacher agrees: less of the teacher's reading of each image.
     "recipe, pre-training teacher weight 0.25": {"pretrain.token_label.teacher_weight.agrees": "0.25"},
 }

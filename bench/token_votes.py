@@ -33,9 +33,11 @@ from timm.models.volo import VOLO
 
 from _common import add_results_argument, header_line, markdown_table, write_json
 from coarse2fine import checkpoints, distributed
-from coarse2fine.config import parse_params
+from coarse2fine.cli import print_user_error
+from coarse2fine.config import Params, parse_params
 from coarse2fine.data import records
 from coarse2fine.data.loaders import build_loader
+from coarse2fine.errors import UserError
 from teacher_quality import ARMS
 
 STAGES = ("pretrain", "finetune")
@@ -58,6 +60,11 @@ def parse_args() -> argparse.Namespace:
 
 def git(project: Path, *args: str) -> str:
     return subprocess.run(["git", *args], cwd=project, capture_output=True, text=True, check=True).stdout
+
+
+def committed_params(project: Path) -> Params:
+    """The copy's committed params (the workspace's may be an experiment's, or a running one's)."""
+    return parse_params(yaml.safe_load(git(project, "show", "HEAD:params.yaml")), f"{project}/params.yaml")
 
 
 def flat(params: dict, prefix: str = "") -> dict[str, object]:
@@ -103,7 +110,7 @@ def model_at(project: Path, commit: str, stage: str, directory: Path) -> Path:
 
 def votes(model_file: Path, project: Path, stage: str, runtime: distributed.Runtime) -> dict[str, dict[str, object]]:
     """class -> {images, top1, class_token_top1, tokens_naming_label (%), token_votes: {class: tokens}}."""
-    params = parse_params(yaml.safe_load(git(project, "show", "HEAD:params.yaml")), f"{project}/params.yaml")
+    params = committed_params(project)
     payload = checkpoints.read_model_file(model_file, runtime.device)
     model = checkpoints.model_from_payload(payload, model_file, runtime.device)
     if not isinstance(model, VOLO) or model.aux_head is None:
@@ -173,7 +180,11 @@ def main() -> None:
     found: dict[str, dict[str, dict]] = {}  # arm -> project -> class -> scores
     with distributed.session("cpu") as runtime, tempfile.TemporaryDirectory() as scratch:
         for project in args.projects:
-            names = records.read_classes(project / "data" / "records")
+            try:
+                names = records.read_classes(project / "data" / "records")
+            except UserError as error:  # not a project copy, or one whose stages never ran
+                print_user_error(error)
+                raise SystemExit(2) from None
             if unknown := sorted(set(args.classes or []) - set(names)):
                 raise SystemExit(f"{project}: no val class {', '.join(unknown)} (its classes: {', '.join(names)})")
             for arm, commit in experiments(project).items():
@@ -184,7 +195,15 @@ def main() -> None:
         raise SystemExit(f"no experiment of {', '.join(map(str, args.projects))} ran any of the arms asked for")
     text = report(found, args.projects, args)
     print(text)
-    write_json(args, text, {"votes": found})
+    write_json(args, text, {"votes": found}, topic=result_topic(args.projects[0], args.stage))
+
+
+def result_topic(project: Path, stage: str) -> str:
+    """token_votes, then the data set as teacher_quality's result files name it (an ImageFolder's folder name; the
+    photos unnamed), and the stage unless it is fine-tuning."""
+    data = committed_params(project).data
+    topic = "token_votes" if data.source != "imagefolder" else f"token_votes_{Path(data.root).name}"
+    return topic if stage == "finetune" else f"{topic}_{stage}"
 
 
 if __name__ == "__main__":

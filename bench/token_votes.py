@@ -34,7 +34,7 @@ from timm.models.volo import VOLO
 from _common import add_results_argument, header_line, markdown_table, write_json
 from coarse2fine import checkpoints, distributed
 from coarse2fine.cli import print_user_error
-from coarse2fine.config import Params, parse_params
+from coarse2fine.config import Params, flatten, parse_params
 from coarse2fine.data import records
 from coarse2fine.data.loaders import build_loader
 from coarse2fine.errors import UserError
@@ -67,35 +67,26 @@ def committed_params(project: Path) -> Params:
     return parse_params(yaml.safe_load(git(project, "show", "HEAD:params.yaml")), f"{project}/params.yaml")
 
 
-def flat(params: dict, prefix: str = "") -> dict[str, object]:
-    """{'a': {'b': 1}} -> {'a.b': 1}: params as `dvc exp run -S` names them."""
-    out: dict[str, object] = {}
-    for key, value in params.items():
-        if isinstance(value, dict):
-            out |= flat(value, f"{prefix}{key}.")
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
 def experiments(project: Path) -> dict[str, str]:
     """arm -> the commit of the copy's latest experiment that ran it. An experiment's arm: the params it changed from
     the copy's committed ones, less those every experiment changed (the bench's --set), as teacher_quality.ARMS
     names them; one that matches no arm is left out."""
-    committed = flat(yaml.safe_load(git(project, "show", "HEAD:params.yaml")))
+    committed = flatten(committed_params(project))
     changes = {}
     for line in git(project, "for-each-ref", "--sort=committerdate", "--format=%(objectname) %(refname)",
                     "refs/exps").splitlines():
         commit, ref = line.split()
         if ref.count("/") != 4:  # refs/exps/<xx>/<baseline>/<name>; not DVC's own (refs/exps/exec/...)
             continue
-        params = flat(yaml.safe_load(git(project, "show", f"{commit}:params.yaml")))
+        params = flatten(parse_params(yaml.safe_load(git(project, "show", f"{commit}:params.yaml")), ref))
         changes[commit] = {key: value for key, value in params.items() if committed.get(key) != value}
-    common = set.intersection(*(set(changed.items()) for changed in changes.values())) if changes else set()
+    every = list(changes.values())
+    common = {key: value for key, value in every[0].items() if all(key in changed and changed[key] == value
+                                                                   for changed in every)} if every else {}
     arms = {name: {key: yaml.safe_load(value) for key, value in settings.items()} for name, settings in ARMS.items()}
     found = {}
     for commit, changed in changes.items():  # oldest first: a later run of an arm replaces an earlier one
-        own = dict(set(changed.items()) - common)
+        own = {key: value for key, value in changed.items() if key not in common}
         found |= {name: commit for name, settings in arms.items() if settings == own}
     return found
 

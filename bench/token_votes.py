@@ -38,6 +38,7 @@ from coarse2fine.config import Params, flatten, parse_params
 from coarse2fine.data import records
 from coarse2fine.data.loaders import build_loader
 from coarse2fine.errors import UserError
+from coarse2fine.forward import TrainOutput
 from teacher_quality import ARMS
 
 STAGES = ("pretrain", "finetune")
@@ -99,9 +100,10 @@ def model_at(project: Path, commit: str, stage: str, directory: Path) -> Path:
     return path
 
 
-def votes(model_file: Path, project: Path, stage: str, runtime: distributed.Runtime) -> dict[str, dict[str, object]]:
+def votes(
+    model_file: Path, project: Path, params: Params, stage: str, runtime: distributed.Runtime
+) -> dict[str, dict[str, object]]:
     """class -> {images, top1, class_token_top1, tokens_naming_label (%), token_votes: {class: tokens}}."""
-    params = committed_params(project)
     payload = checkpoints.read_model_file(model_file, runtime.device)
     model = checkpoints.model_from_payload(payload, model_file, runtime.device)
     if not isinstance(model, VOLO) or model.aux_head is None:
@@ -118,7 +120,7 @@ def votes(model_file: Path, project: Path, stage: str, runtime: distributed.Runt
         for batch in loader:
             features = model.forward_features(batch["image"])
             class_logits, token_logits = model.head(features[:, 0]), model.aux_head(features[:, 1:])
-            merged = class_logits + 0.5 * token_logits.amax(dim=1)  # timm's VOLO.forward_head: what model(x) returns
+            merged = TrainOutput(class_logits, token_logits).merged()  # model(x): what the evaluate stage scores
             token_classes = token_logits.argmax(dim=-1)
             for label, prediction, class_token, tokens in zip(
                 batch["label"].tolist(), merged.argmax(1).tolist(), class_logits.argmax(1).tolist(), token_classes
@@ -178,10 +180,11 @@ def main() -> None:
                 raise SystemExit(2) from None
             if unknown := sorted(set(args.classes or []) - set(names)):
                 raise SystemExit(f"{project}: no val class {', '.join(unknown)} (its classes: {', '.join(names)})")
+            params = committed_params(project)  # the val loader's settings, the same in every experiment
             for arm, commit in experiments(project).items():
                 if args.arms is None or arm in args.arms:
                     model_file = model_at(project, commit, args.stage, Path(scratch))
-                    found.setdefault(arm, {})[str(project)] = votes(model_file, project, args.stage, runtime)
+                    found.setdefault(arm, {})[str(project)] = votes(model_file, project, params, args.stage, runtime)
     if not found:
         raise SystemExit(f"no experiment of {', '.join(map(str, args.projects))} ran any of the arms asked for")
     text = report(found, args.projects, args)

@@ -285,14 +285,19 @@ def test_ablation_tiny_runs_its_rows_as_dvc_experiments_in_the_shared_copy(
         assert (top1, loss) == (f"{evaluation['top1']:.2f}", f"{evaluation['loss']:.3f}"), (name, evaluation)
 
 
-# A held-out set from its Debian package (apt-get download: the registry), cut as the photos are.
-@pytest.mark.slow
-def test_photo_sets_tiny_builds_an_imagefolder_of_a_debian_package_s_photographs_and_names_them(tmp_path: Path) -> None:
+def skip_unless_apt_offers_lomiri_s_photographs() -> None:
+    """bench/photo_sets.py's first set comes from this Debian package, at this version."""
     if shutil.which("apt-get") is None or shutil.which("dpkg-deb") is None:
         pytest.skip("no apt-get and dpkg-deb here: bench/photo_sets.py takes its photographs from Debian packages")
     policy = subprocess.run(["apt-cache", "policy", "lomiri-wallpapers-16.04"], capture_output=True, text=True).stdout
     if "Candidate: 20.04.0-2" not in policy:
         pytest.skip("apt's package lists do not offer lomiri-wallpapers-16.04 20.04.0-2 here (apt-get update as root)")
+
+
+# A held-out set from its Debian package (apt-get download: the registry), cut as the photos are.
+@pytest.mark.slow
+def test_photo_sets_tiny_builds_an_imagefolder_of_a_debian_package_s_photographs_and_names_them(tmp_path: Path) -> None:
+    skip_unless_apt_offers_lomiri_s_photographs()
     report = run_bench("photo_sets", "--tiny", "--out", str(tmp_path))
     (row,) = first_table(report)
     assert row[:4] == ["lomiri", "lomiri-wallpapers-16.04 20.04.0-2", "2", "6 / 2"], row
@@ -302,6 +307,38 @@ def test_photo_sets_tiny_builds_an_imagefolder_of_a_debian_package_s_photographs
     source = list_imagefolder(tmp_path / "lomiri", subset=1.0, seed=0)
     assert source.classes == ("bridge", "dragonfly") and [len(source.files[split]) for split in SPLITS] == [6, 2]
     assert {min(Image.open(tmp_path / "lomiri" / file.path).size) for file in source.files["train"]} == {64}
+
+
+# teacher_quality.py --photo-set: each seed's copy trains on the set drawn at that seed (its val blocks too), built once.
+@pytest.mark.slow
+def test_teacher_quality_draws_the_photo_set_at_each_seed_and_reuses_a_kept_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    skip_unless_apt_offers_lomiri_s_photographs()
+    monkeypatch.syspath_prepend(str(PROJECT_ROOT / "bench"))
+    import teacher_quality
+
+    def drawn(seed_work: Path, seed: int) -> Path:
+        return teacher_quality.photo_set_tree(seed_work, "lomiri", seed, tiny=True)
+
+    def images(tree: Path, split: str) -> list[bytes]:
+        return [path.read_bytes() for path in sorted((tree / split).rglob("*.png"))]
+
+    def written(tree: Path) -> dict[Path, int]:
+        return {path: path.stat().st_mtime_ns for path in tree.rglob("*.png")}
+
+    first = drawn(tmp_path / "seed1", 1)
+    assert first == (tmp_path / "seed1" / "photo_set" / "lomiri").resolve()
+    args = teacher_quality.argparse.Namespace(photo_set="lomiri", data_root=None, tiny=True)
+    assert teacher_quality.data_params(args, tmp_path / "seed1", 1) == {"source": "imagefolder", "root": str(first)}
+    kept = written(first)
+    assert drawn(tmp_path / "seed1", 1) == first and written(first) == kept  # reused: convert would rerun on new files
+    assert images(drawn(tmp_path / "again", 1), "val") == images(first, "val")  # the seed decides the draw
+    other = drawn(tmp_path / "seed2", 2)
+    assert images(other, "val") != images(first, "val") and images(other, "train") != images(first, "train")
+    (tmp_path / "seed1" / "photo_set" / "lomiri.json").unlink()  # as a build killed before its description
+    drawn(tmp_path / "seed1", 1)
+    assert written(first).keys() == kept.keys() and all(written(first)[path] > kept[path] for path in kept)
 
 
 @pytest.fixture(scope="module")

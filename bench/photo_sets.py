@@ -10,9 +10,9 @@ that no train patch touches; a fifth of the patches, drawn at random, are writte
 ImageNet holds some grey photos. Photographs only: drawings, renders and gradients the packages also ship are
 left out (each set names what it leaves out).
 
-Run: python bench/photo_sets.py [--sets lomiri mate-nature plasma lxqt] [--out data/photo_sets] [--seed 0]
-Writes <out>/<set>/{train,val}/<photo>/NNNN.png and <out>/<set>.json (the package, its version, each photo's
-sha256). data/photo_sets/ is ignored by git and DVC. --tiny: 2 photos of the first set, 3 + 1 patches each.
+Run: python bench/photo_sets.py [--sets lomiri mate-nature plasma lxqt kphotoalbum] [--out data/photo_sets]
+[--seed 0]. Writes <out>/<set>/{train,val}/<photo>/NNNN.png and <out>/<set>.json (the package, its version, each
+photo's sha256). data/photo_sets/ is ignored by git and DVC. --tiny: 2 photos of the first set, 3 + 1 patches each.
 """
 
 from __future__ import annotations
@@ -90,6 +90,19 @@ SETS = {
         "fog over fields (CC BY-SA 3.0, the package's wallpapers/License); left out: the drawings and renders "
         "(kde-plasma, lxqt-origami-green, origami-*, plasma-logo-*, plasma_arch, simple_blue_widescreen, "
         "triangles*, waves-*)",
+    ),
+    # The confirmation set of issue 56's choice on lxqt and mate-nature drawn at each seed (teacher_quality.py
+    # --photo-set): defined before that choice, run only after it.
+    "kphotoalbum": PhotoSet(
+        "kphotoalbum", "5.9.1-1",
+        {name: f"usr/share/kphotoalbum/demo/{name}.jpg" for name in (
+            "anne_helene", "bar55", "blackie", "cold_water", "donna", "grand_canyon_1", "jesper", "new_wave_1", "pool",
+            "qt-logo", "skagen", "snow", "spiff", "sunset", "wayne",
+        )},
+        "KPhotoAlbum's demo album, snapshots of 400-800 px: people, pets, a pool table, a canyon, the sea, snow, a "
+        "sunset (qt-logo is a photograph of three people); one photograph of each subject, the first, its others "
+        "left out (bar55_2, donna_2, grand_canyon_2/3, jesper_2, new_wave_2, pool_2, skagen_2, spiff_2) and the "
+        "thumbnails of CategoryImages/",
     ),
 }
 

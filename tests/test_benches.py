@@ -8,6 +8,7 @@ given. Also: how a bench stops when a stage's output changes shape.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -329,7 +330,7 @@ def test_teacher_quality_draws_the_photo_set_at_each_seed_and_reuses_a_kept_one(
 
     first = drawn(tmp_path / "seed1", 1)
     assert first == (tmp_path / "seed1" / "photo_set" / "lomiri").resolve()
-    args = teacher_quality.argparse.Namespace(photo_set="lomiri", data_root=None, tiny=True)
+    args = argparse.Namespace(photo_set="lomiri", data_root=None, tiny=True)
     assert teacher_quality.data_params(args, tmp_path / "seed1", 1) == {"source": "imagefolder", "root": str(first)}
     kept = written(first)
     assert drawn(tmp_path / "seed1", 1) == first and written(first) == kept  # reused: convert would rerun on new files

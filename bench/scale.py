@@ -226,6 +226,7 @@ class Sampler:
         self.stages: dict[str, StageSample] = {}
         self._stage: str | None = None
         self._done = threading.Event()
+        self._failure: Exception | None = None  # what stopped the sampling thread, raised at the `with`'s end
         self._thread = threading.Thread(target=self._sample_until_done, daemon=True)
 
     def __enter__(self) -> Sampler:
@@ -235,6 +236,8 @@ class Sampler:
     def __exit__(self, *exception: object) -> None:
         self._done.set()
         self._thread.join()
+        if self._failure is not None:  # else every later stage would read as if none of its processes ran
+            raise RuntimeError(f"sampling stopped during stage {self._stage}") from self._failure
 
     def start_stage(self, stage: str) -> None:
         self.stages[stage] = StageSample()
@@ -245,24 +248,31 @@ class Sampler:
         self._stage = stage
 
     def _sample_until_done(self) -> None:
-        while not self._done.wait(SAMPLE_SECONDS):
-            if self._stage is None:
-                continue
-            stage = self.stages[self._stage]
-            dvc, processes = bench_processes()
-            with contextlib.suppress(psutil.Error, AttributeError):
-                stage.dvc_fds = max(stage.dvc_fds, dvc.num_fds())
-                counters = dvc.io_counters()
-                stage.dvc_last = [counters.read_chars, counters.write_chars]
-            for process in processes:
-                with contextlib.suppress(psutil.Error):
-                    self._sample(stage, process)
-            stage.samples += 1
+        try:
+            while not self._done.wait(SAMPLE_SECONDS):
+                if self._stage is not None:
+                    self._sample_stage(self.stages[self._stage])
+        except Exception as failure:  # kept for __exit__ to raise in the bench's own thread
+            self._failure = failure
+
+    def _sample_stage(self, stage: StageSample) -> None:
+        dvc, processes = bench_processes()
+        with contextlib.suppress(psutil.Error, AttributeError):
+            stage.dvc_fds = max(stage.dvc_fds, dvc.num_fds())
+            counters = dvc.io_counters()
+            stage.dvc_last = [counters.read_chars, counters.write_chars]
+        for process in processes:
+            with contextlib.suppress(psutil.Error):
+                self._sample(stage, process)
+        stage.samples += 1
 
     def _mapped_records(self, pid: int) -> int:
         """Records files in /proc/<pid>/maps (its path column)."""
-        with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as maps:
-            paths = {line.split(maxsplit=5)[-1].rstrip("\n") for line in maps if line.count(" ") >= 5}
+        try:
+            with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as maps:
+                paths = {line.split(maxsplit=5)[-1].rstrip("\n") for line in maps if line.count(" ") >= 5}
+        except (FileNotFoundError, ProcessLookupError) as ended:  # it ended after psutil's reads: as psutil says so
+            raise psutil.NoSuchProcess(pid) from ended
         return sum(path.startswith(self.records) for path in paths)
 
     def _sample(self, stage: StageSample, process: psutil.Process) -> None:

@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -580,6 +581,32 @@ def test_scale_tiny_measures_every_stage_on_imagenet_shaped_trees_and_projects_t
     assert volo[0][0] == "GPU steps" and volo[-1][0] == "total" and float(volo[0][1]) > 0
     assert all(float(hours) >= 0 and re.fullmatch(r"\d+\.\d %", share) for _, hours, share in volo)
     assert len(verdicts(report)) == 4 and set(verdicts(report)) <= {"met", "MISSED"}
+
+
+# A stage's process that ends between psutil's reads and /proc/<pid>/maps once stopped the sampling thread for good,
+# and every later stage read as if none of its processes had run (CI, stop 75: teacher "0 processes").
+def test_scale_s_sampler_passes_over_a_process_that_ended_and_raises_what_stops_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.syspath_prepend(str(PROJECT_ROOT / "bench"))
+    import psutil
+    import scale
+
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    sampler = scale.Sampler((PROJECT_ROOT / "data" / "records",))
+    with pytest.raises(psutil.NoSuchProcess):  # what the sampling passes over, as for psutil's own reads
+        sampler._mapped_records(ended.pid)
+
+    def planted() -> None:
+        raise OSError("planted")
+
+    with pytest.raises(RuntimeError, match="sampling stopped during stage teacher") as raised:
+        with scale.Sampler(()) as sampler:
+            sampler.start_stage("teacher")
+            monkeypatch.setattr(scale, "bench_processes", planted)
+            time.sleep(5 * scale.SAMPLE_SECONDS)
+    assert str(raised.value.__cause__) == "planted"
 
 
 @pytest.fixture(scope="module")

@@ -108,6 +108,10 @@ ARMS = {  # name -> the `dvc exp run -S` settings on top of the shipped params
     # in place of the card's 35-100 %: the crop scale's share of the gap to ground truth (issue 56), on both sides.
     "ground truth, pre-training crops 8-100 %": {**GROUND_TRUTH, "pretrain.crop_scale": "[0.08,1.0]"},
     "recipe, pre-training crops 8-100 %": {"pretrain.crop_scale": "[0.08,1.0]"},
+    # Fine-tuning on pre-training's crops (augment.scale's, as the reference and the profiles fine-tune) in place of
+    # the deviation finetune.crop_scale 80-100 %; the pre-trained students are the shipped arms', from DVC's cache.
+    "ground truth, fine-tuning crops 35-100 %": {**GROUND_TRUTH, "finetune.crop_scale": "null"},
+    "recipe, fine-tuning crops 35-100 %": {"finetune.crop_scale": "null"},
 }
 DEFAULT_ARMS = ("ground truth", "recipe", "reference targets")
 TEACHER_ONLY = "ground truth"  # the arm the teacher does not reach: run once per seed

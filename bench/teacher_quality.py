@@ -290,12 +290,22 @@ def run_arm(project: ProjectCopy, settings: dict[str, str]) -> dict:
 
 
 def report(runs: list[dict], args: argparse.Namespace) -> str:
-    """One row per teacher quality and arm: means over seeds (each seed in brackets), the recipe's gap to ground truth;
-    then the classes where the recipe's fine-tuned student and ground truth's differ most."""
+    """One row per teacher quality and arm: means over seeds (each seed in brackets), the arm's gap to ground truth;
+    ground truth's row, then its variants'; then the classes where the recipe's fine-tuned student and ground truth's
+    differ most."""
     runs = sorted(runs, key=lambda run: run["seed"])  # each cell's seeds in one order
     columns = [column for _, _, column in STUDENT_COLUMNS]
     truth = {column: {run["seed"]: run["students"][column] for run in runs if run["arm"] == TEACHER_ONLY}
              for column in columns}
+
+    def cells_and_gap(chosen: list[dict]) -> list[str]:
+        cells = [mean([run["students"][column] for run in chosen]) for column in columns]
+        gaps = [  # against ground truth at the same seeds
+            paired_gap([run["students"][column] - truth[column][run["seed"]] for run in chosen])
+            if all(run["seed"] in truth[column] for run in chosen) else "-" for column in columns
+        ]
+        return [*cells, " / ".join(gaps)]
+
     rows = []
     for epochs in sorted(args.teacher_epochs, reverse=True):
         at_quality = [run for run in runs if run["teacher_epochs"] == epochs and "teacher" in run]
@@ -304,19 +314,13 @@ def report(runs: list[dict], args: argparse.Namespace) -> str:
         teachers = {run["seed"]: run["teacher"] for run in at_quality}.values()
         teacher = " / ".join(mean([t[key] for t in teachers]) for key in ("val_top1", "dense_top1", "cell_top1"))
         for arm in args.arms:
-            if arm == TEACHER_ONLY:
-                continue
-            chosen = [run for run in at_quality if run["arm"] == arm]
-            if not chosen:  # not run at this quality
-                continue
-            cells = [mean([run["students"][column] for run in chosen]) for column in columns]
-            gaps = [  # against ground truth at the same seeds
-                paired_gap([run["students"][column] - truth[column][run["seed"]] for run in chosen])
-                if all(run["seed"] in truth[column] for run in chosen) else "-" for column in columns
-            ]
-            rows.append([str(epochs), teacher, arm, *cells, " / ".join(gaps)])
+            if arm != TEACHER_ONLY and (chosen := [run for run in at_quality if run["arm"] == arm]):
+                rows.append([str(epochs), teacher, arm, *cells_and_gap(chosen)])
     if any(truth.values()):
         rows.append(["-", "-", TEACHER_ONLY, *[mean(list(truth[column].values())) for column in columns], "0"])
+    for arm in args.arms:  # ground truth's variants (no teacher reaches them), against it at the same seeds
+        if arm != TEACHER_ONLY and (chosen := [run for run in runs if run["arm"] == arm and "teacher" not in run]):
+            rows.append(["-", "-", arm, *cells_and_gap(chosen)])
     epochs_line = "students: params.yaml's epochs" if args.student_epochs is None else (
         f"students: pretrain {args.student_epochs[0]} + finetune {args.student_epochs[1]} epochs (not the defaults)")
     return "\n".join([

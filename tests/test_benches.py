@@ -423,6 +423,26 @@ def test_token_votes_reads_each_experiment_s_model_from_dvc_s_cache_as_the_evalu
     assert unknown.returncode != 0 and "no val class nosuch" in unknown.stderr
 
 
+def test_teacher_quality_reports_ground_truth_s_variants_against_it(tmp_path: Path) -> None:
+    # An arm the teacher does not reach (ground truth on other crops) has no teacher figures; it once fell out of
+    # the table. Its pairs' differences to ground truth are +1, -1, +2: mean +0.67, standard error 1.53 / sqrt(3).
+    values = {"ground truth": [70.0, 80.0, 90.0], "recipe": [72.0, 84.0, 93.0],
+              "ground truth, pre-training crops 8-100 %": [71.0, 79.0, 92.0]}
+    runs = [
+        {"seed": seed, "teacher_epochs": 30, "arm": arm, "student_epochs": None,
+         "students": dict.fromkeys(("pretrain @48", "pretrain @64", "finetune @64"), by_seed[seed]),
+         "finetune_wrong": {"a": seed},
+         **({"teacher": {"val_top1": 80.0, "dense_top1": 99.0, "cell_top1": 90.0}} if arm == "recipe" else {})}
+        for seed in range(3) for arm, by_seed in values.items()
+    ]
+    (tmp_path / "runs.json").write_text(json.dumps({"runs": runs}))
+    report = run_bench("teacher_quality", "--report-from", str(tmp_path / "runs.json"), "--results", str(tmp_path))
+    rows = first_table(report)
+    assert [row[2] for row in rows] == ["recipe", "ground truth", "ground truth, pre-training crops 8-100 %"]
+    assert rows[2][:4] == ["-", "-", "ground truth, pre-training crops 8-100 %", "80.67 (71.00 / 79.00 / 92.00)"]
+    assert rows[2][6] == " / ".join(["+0.67 ± 0.88"] * 3)
+
+
 def test_teacher_quality_gap_is_the_mean_of_paired_differences_with_their_standard_error(tmp_path: Path) -> None:
     # Three seeds whose arms both swing by seed: the pairs' differences are +2, +4, +3 (mean +3, sd 1, so the
     # standard error 1 / sqrt(3) = 0.58), though either arm's own figures spread by 10 points.

@@ -20,8 +20,11 @@ quality and seed, trains the students with:
   runs); or MixToken off, or fine-tuning's teacher weight, in pre-training alone; or the teacher's weight 0 in both
   (MixToken and the per-token loss on the label alone).
 
-A change that reaches ground truth too, such as a stage's crop scale, is a `--set` of every arm (below): the gaps
-are then both arms' under that change.
+- (--arms) ground truth and the recipe both on another crop scale: pre-training on the reference's 8-100 %, or
+  fine-tuning on pre-training's 35-100 %; ground truth's variant gets its row below ground truth's, against it.
+
+Any other change that reaches ground truth too is a `--set` of every arm (below): the gaps are then both arms' under
+that change.
 
 `--data-root DIR` runs on an ImageFolder tree instead of the photos: a held-out set of bench/photo_sets.py, the same
 tree at every seed. `--photo-set NAME` builds that set anew at each seed, in the seed's workdir (bench/photo_sets.py
@@ -130,7 +133,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--teacher-epochs", type=int, nargs="+", default=[30, 8, 4, 3], metavar="N",
                         help="the teacher qualities, as its training epochs (default: 30 8 4 3; 30 is the shipped one)")
     parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(DEFAULT_ARMS), metavar="NAME",
-                        help=f"of: {'; '.join(ARMS)} (default: {'; '.join(DEFAULT_ARMS)})")
+                        help=f"of: {'; '.join(ARMS)} (default: {'; '.join(DEFAULT_ARMS)})".replace("%", "%%"))
     parser.add_argument("--student-epochs", type=int, nargs=2, default=None, metavar=("PRE", "FINE"),
                         help="pretrain and finetune epochs (default: params.yaml's)")
     data = parser.add_mutually_exclusive_group()

@@ -423,6 +423,14 @@ def test_token_votes_reads_each_experiment_s_model_from_dvc_s_cache_as_the_evalu
     assert unknown.returncode != 0 and "no val class nosuch" in unknown.stderr
 
 
+def test_teacher_quality_s_help_names_every_arm(monkeypatch: pytest.MonkeyPatch) -> None:
+    # argparse %-formats help: an arm named "... 8-100 %" once made --help itself fail.
+    monkeypatch.syspath_prepend(str(PROJECT_ROOT / "bench"))
+    import teacher_quality
+
+    shown = " ".join(run_bench("teacher_quality", "--help").split()).replace("- ", "-")  # unwrapped
+    assert [arm for arm in teacher_quality.ARMS if arm.replace("- ", "-") not in shown] == []
+
 def test_teacher_quality_reports_ground_truth_s_variants_against_it(tmp_path: Path) -> None:
     # An arm the teacher does not reach (ground truth on other crops) has no teacher figures; it once fell out of
     # the table. Its pairs' differences to ground truth are +1, -1, +2: mean +0.67, standard error 1.53 / sqrt(3).

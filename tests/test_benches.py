@@ -431,6 +431,7 @@ def test_teacher_quality_s_help_names_every_arm(monkeypatch: pytest.MonkeyPatch)
     shown = " ".join(run_bench("teacher_quality", "--help").split()).replace("- ", "-")  # unwrapped
     assert [arm for arm in teacher_quality.ARMS if arm.replace("- ", "-") not in shown] == []
 
+
 def test_teacher_quality_reports_ground_truth_s_variants_against_it(tmp_path: Path) -> None:
     # An arm the teacher does not reach (ground truth on other crops) has no teacher figures; it once fell out of
     # the table. Its pairs' differences to ground truth are +1, -1, +2: mean +0.67, standard error 1.53 / sqrt(3).

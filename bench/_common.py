@@ -308,6 +308,7 @@ def write_json(
     names the one that ran what the report shows)."""
     if args.json is not None:
         report = {"report": text, "args": plain_options(args), "goals": GOALS, **raw}
+        args.json.parent.mkdir(parents=True, exist_ok=True)  # a missing folder would stop a bench after its first run
         args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     write_results(args, topic or Path(sys.argv[0]).stem, text, raw, machine)
 

@@ -445,7 +445,10 @@ def test_teacher_quality_reports_ground_truth_s_variants_against_it(tmp_path: Pa
         for seed in range(3) for arm, by_seed in values.items()
     ]
     (tmp_path / "runs.json").write_text(json.dumps({"runs": runs}))
-    report = run_bench("teacher_quality", "--report-from", str(tmp_path / "runs.json"), "--results", str(tmp_path))
+    # --json into a folder not made yet: it is made (it once stopped a long bench after its first run).
+    report = run_bench("teacher_quality", "--report-from", str(tmp_path / "runs.json"), "--results", str(tmp_path),
+                       "--json", str(tmp_path / "new" / "all.json"))
+    assert len(json.loads((tmp_path / "new" / "all.json").read_text())["runs"]) == len(runs)
     rows = first_table(report)
     assert [row[2] for row in rows] == ["recipe", "ground truth", "ground truth, pre-training crops 8-100 %"]
     assert rows[2][:4] == ["-", "-", "ground truth, pre-training crops 8-100 %", "80.67 (71.00 / 79.00 / 92.00)"]

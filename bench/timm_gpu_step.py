@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import pathlib
 import shlex
 import statistics
 import sys
@@ -32,7 +33,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                         help="default: cuda; cpu runs the same loop there, to test the bench without a GPU")
     parser.add_argument("--eager-only", action="store_true", help="leave out the torch.compile row")
-    parser.add_argument("--json", metavar="PATH", help="also write the report and the raw numbers as JSON")
+    parser.add_argument("--json", type=pathlib.Path, metavar="PATH",
+                        help="also write the report and the raw numbers as JSON")
     return parser.parse_args()
 
 
@@ -91,8 +93,9 @@ def main() -> None:
         *(f"| {name} | {median:.0f} | {median / medians['eager']:.2f}x |" for name, median in medians.items()),
     ])
     print(text)
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as file:
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)  # a missing folder would lose the raw numbers
+        with args.json.open("w", encoding="utf-8") as file:
             json.dump({"report": text, "median_img_per_s": medians, "img_per_s": rates}, file, indent=2)
 
 

@@ -792,6 +792,18 @@ def test_timm_gpu_step_without_a_gpu_stops_with_one_line() -> None:
     )
 
 
+def test_timm_gpu_step_writes_its_json_into_a_folder_not_made_yet(tmp_path: Path) -> None:
+    # The CPU dry run of the bench with timm's smallest ViT (made for tests): figures that measure nothing.
+    path = tmp_path / "new" / "timm.json"
+    subprocess.run(
+        [sys.executable, "bench/timm_gpu_step.py", "--model", "test_vit", "--device", "cpu", "--eager-only",
+         "--batch-size", "2", "--steps", "1", "--repeats", "1", "--json", str(path)],
+        cwd=PROJECT_ROOT, check=True, capture_output=True, text=True, timeout=600,
+    )
+    raw = json.loads(path.read_text(encoding="utf-8"))
+    assert list(raw["median_img_per_s"]) == ["eager"] and raw["median_img_per_s"]["eager"] > 0
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU: bench/gpu_step.py --tiny needs one")
 def test_gpu_step_tiny_times_both_steps_on_the_gpu() -> None:

@@ -94,9 +94,28 @@ def _recorded(main: Callable[[Params, argparse.Namespace], None]) -> Callable[[P
     Imported here: the listing stage runs without torch."""
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return main
-    from torch.distributed.elastic.multiprocessing.errors import record
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
-    return record(main)
+    class WholeErrorFile(ErrorHandler):
+        """torch writes the error file in place. Once one rank fails the agent SIGTERMs the others, and a rank
+        stopped mid-write left an empty file: the agent died parsing it (JSONDecodeError) and the stage's report,
+        a user mistake's one line included, became the agent's traceback (CI, 2026-12-06). Written beside, renamed."""
+
+        def __init__(self) -> None:
+            self.writing_to: Path | None = None
+
+        def _get_error_file_path(self) -> str | None:
+            return str(self.writing_to) if self.writing_to else super()._get_error_file_path()
+
+        def record_exception(self, e: BaseException) -> None:
+            error_file = super()._get_error_file_path()
+            if not error_file:
+                return super().record_exception(e)
+            with atomic_path(error_file) as self.writing_to:
+                super().record_exception(e)
+            self.writing_to = None
+
+    return record(main, error_handler=WholeErrorFile())
 
 
 def die_with_the_launcher() -> None:

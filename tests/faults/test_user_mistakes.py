@@ -7,8 +7,10 @@ token_labels.top_k above the class count."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -225,6 +227,47 @@ def test_a_user_mistake_stays_one_line_whichever_rank_torch_calls_the_first_fail
     # A crash beside the mistake keeps torchrun's report.
     failures[1] = ProcessFailure(1, 101, 1, "none.json")
     assert launch._user_errors(ChildFailedError("stages/teacher.py", failures), tmp_path) == []
+
+
+RANK_THAT_FAILS = """
+import json, os, signal
+from coarse2fine import cli
+
+def stopped_mid_write(data, file):  # the agent's SIGTERM, arriving while the rank records its failure
+    file.write(json.dumps(data)[:10])
+    file.flush()
+    os.kill(os.getpid(), signal.SIGTERM)
+
+if os.environ["STOPPED_MID_WRITE"] == "1":
+    json.dump = stopped_mid_write
+
+def main(params, args):
+    raise RuntimeError("a crash on every rank")
+
+cli._recorded(main)(None, None)
+"""
+
+
+@pytest.mark.parametrize("stopped_mid_write", [False, True])
+def test_a_rank_stopped_while_recording_its_failure_leaves_the_agent_a_whole_error_file_or_none(
+    stopped_mid_write, tmp_path
+):
+    """CI's race (2026-12-06): rank 0 exited 2, the agent SIGTERMed rank 1 while torch's `record` wrote its error
+    file in place, and the agent died parsing the empty file (JSONDecodeError): exit 1 and the agent's traceback
+    in place of the mistake's one line. The agent reads the file as it does (ProcessFailure) after the rank ends."""
+    error_file = tmp_path / "error.json"
+    env = {
+        **os.environ, "PYTHONPATH": "src", "TORCHELASTIC_RUN_ID": "test", "TORCHELASTIC_ERROR_FILE": str(error_file),
+        "STOPPED_MID_WRITE": str(int(stopped_mid_write)),
+    }
+    rank = subprocess.run([sys.executable, "-c", RANK_THAT_FAILS], env=env, capture_output=True, text=True)
+
+    assert rank.returncode == (-signal.SIGTERM if stopped_mid_write else 1), rank.stderr
+    failure = ProcessFailure(1, 101, rank.returncode, str(error_file))
+    if stopped_mid_write:
+        assert not error_file.exists()
+    else:
+        assert failure.message["message"] == "RuntimeError: a crash on every rank"
 
 
 @pytest.mark.slow

@@ -111,9 +111,9 @@ SWEEP ?= -S data.subset=0.2 -S 'pretrain.optimizer.lr_base=8e-3,1.6e-2,3.2e-2'
 SWEEP_COLUMNS ?= data.subset|pretrain.optimizer.lr_base
 # 1: the first point makes the records, teacher and token labels of the new subset, the others restore them.
 SWEEP_JOBS ?= 1
-# `dvc queue stop` ends a queue worker that outlived the run: kombu's file broker can hand a worker's monitor a
-# message still being written (JSONDecodeError in .dvc/tmp/exps/celery/*.out, treeverse/dvc#10428), and the worker
-# then never stops on its own.
+# coarse2fine.queue_stop ends a queue worker that outlived the run: kombu's file broker can hand a worker a message
+# still being written (treeverse/dvc#10428), so the idle worker's shutdown, and `dvc queue stop`'s, can be lost. It
+# runs `dvc queue stop` until no worker is left, then sends SIGTERM to those that missed every broadcast.
 # Queuing commits the workspace, which needs a git identity: where git has none (a fresh CI machine), the sweep's own.
 SWEEP_IDENTITY = $(if $(shell git config user.name && git config user.email),,\
   GIT_AUTHOR_NAME=sweep GIT_AUTHOR_EMAIL=sweep@coarse2fine.invalid GIT_COMMITTER_NAME=sweep GIT_COMMITTER_EMAIL=sweep@coarse2fine.invalid)
@@ -121,7 +121,7 @@ SWEEP_IDENTITY = $(if $(shell git config user.name && git config user.email),,\
 sweep: setup
 	$(SWEEP_IDENTITY) $(BIN)/dvc exp run --queue $(SWEEP)
 	$(SWEEP_IDENTITY) $(BIN)/dvc exp run --run-all --jobs $(SWEEP_JOBS)
-	$(BIN)/dvc queue stop
+	$(BIN)/python -m coarse2fine.queue_stop
 	$(BIN)/dvc exp show --md --drop '.*' --keep 'Experiment|$(SWEEP_COLUMNS)|metrics/evaluate/.*:top1$$'
 
 # The MLflow UI on loopback: of MLFLOW_TRACKING_URI's server when it names one (make server), else of ./mlflow.db.

@@ -17,10 +17,11 @@ import torch
 import yaml
 from PIL import Image
 from mlflow import MlflowClient
-from test_pipeline import EVERY_STAGE, FAST, SMOKE, TRACKED_STAGES, queued_names, workers_alive
+from test_pipeline import EVERY_STAGE, FAST, SMOKE, TRACKED_STAGES, queued_names
 from test_slurm import SMALL
 
 from conftest import PROJECT_ROOT, Project, S3Server, free_ports, ran_stages
+from coarse2fine.queue_stop import queue_workers, stop_queue_workers
 from coarse2fine.server import mlflow_server
 from coarse2fine.slurm import DRY_RUN_ENV
 from coarse2fine.ssh import SSH_ENV
@@ -65,8 +66,8 @@ def test_a_pipeline_and_two_queued_experiments_write_through_a_tracking_server(t
     project.run("dvc", "exp", "run", "--queue", "-S", f"finetune.optimizer.lr_base={','.join(QUEUED_LR)}")
     assert len(queued_names(project)) == 2
     project.run("dvc", "exp", "run", "--run-all", "--jobs", "2")
-    project.run("dvc", "queue", "stop")  # as make sweep does: a worker may outlive the run (kombu's race)
-    assert not workers_alive(project, wait=60)
+    stop_queue_workers(project.path)  # as make sweep does: a worker may outlive the run (kombu's race)
+    assert not queue_workers(project.path)
 
     runs = pipelines()
     assert len(runs) == 3

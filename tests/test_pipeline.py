@@ -23,6 +23,7 @@ from PIL import Image
 from conftest import Project, free_ports, ran_stages
 
 from coarse2fine import server
+from coarse2fine.errors import UserError
 from coarse2fine.queue_stop import queue_workers, stop_queue_workers
 
 pytestmark = pytest.mark.slow
@@ -445,6 +446,11 @@ def test_a_queue_worker_that_misses_every_shutdown_broadcast_is_stopped_and_no_o
                 os.kill(pid, signal.SIGKILL)
     assert len(said) == 2 and "again (2 of 2)" in said[0] and f"[{worker}]" in said[1] and "SIGTERM" in said[1]
     assert "Warm shutdown" in (tmp_path / ".dvc/tmp/exps/celery/dvc-exp-worker-1.out").read_text()
+
+
+def test_stopping_the_queue_outside_a_dvc_repository_is_one_line_naming_it(tmp_path):
+    with pytest.raises(UserError, match=f"no DVC repository at {tmp_path}"):
+        stop_queue_workers(tmp_path)
 
 
 @dataclasses.dataclass

@@ -55,13 +55,17 @@ def stop_queue_workers(
 ) -> None:
     """`dvc queue stop` until no worker of `root`'s queue is left, up to `broadcasts` times, then SIGTERM to those
     left. A UserError names a worker still running after that, and its log."""
+    if not (root / ".dvc").is_dir():
+        raise UserError(f"no DVC repository at {root}: run this in the repository's root, or pass --repo")
     for attempt in range(1, broadcasts + 1):
         if not queue_workers(root):
             return
         if attempt > 1:
             say(f"queue workers {sorted(queue_workers(root))} missed `dvc queue stop` (a lost broker message, "
                 f"treeverse/dvc#10428): broadcasting it again ({attempt} of {broadcasts})")
-        subprocess.run([sys.executable, "-m", "dvc", "queue", "stop"], cwd=root, check=True, stdout=subprocess.DEVNULL)
+        stop = subprocess.run([sys.executable, "-m", "dvc", "queue", "stop"], cwd=root, stdout=subprocess.DEVNULL)
+        if stop.returncode != 0:
+            raise UserError(f"`dvc queue stop` failed in {root} (exit {stop.returncode}; its message is above)")
         if not wait_for_exit(root, broadcast_wait_s):
             return
     left = queue_workers(root)
